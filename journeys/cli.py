@@ -1,0 +1,149 @@
+"""The `journeys` command line. Thin: parse arguments, load config, call one stage.
+
+Heavy libraries (torch, Lightning, MLflow, Prefect) are imported inside the command that
+needs them, so `journeys --help` and `journeys ingest` start in well under a second.
+Errors the user can fix (`JourneysError`) print one line and exit 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from journeys.config import Config, load_config
+from journeys.errors import JourneysError
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help="YAML file (conf/default.yaml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set train.max_epochs=3 (repeatable)",
+    )
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from journeys.simulate import simulate
+
+    config = _config(args)
+    settings = config.simulate.model_dump()
+    if args.users is not None:
+        settings["users"] = args.users
+    if args.seed is not None:
+        settings["seed"] = args.seed
+    result = simulate(Path(args.out), **settings)
+    print(
+        f"wrote {result.n_events:,} events of {result.n_users:,} users "
+        f"({result.n_journeys:,} journeys) to {result.events_path}"
+    )
+
+
+def cmd_ingest(args: argparse.Namespace) -> None:
+    from journeys.ingest import ingest, print_report
+
+    report = ingest(_config(args))
+    print_report(report)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from journeys.train import train_command
+
+    train_command(_config(args), resume=args.resume)
+
+
+def cmd_score(args: argparse.Namespace) -> None:
+    from journeys.score import score_command
+
+    score_command(_config(args), model_uri=args.model, input_path=args.input, out=args.out)
+
+
+def cmd_attribute(args: argparse.Namespace) -> None:
+    from journeys.attribution import attribute_command
+
+    attribute_command(_config(args), scores=args.scores, out=args.out)
+
+
+def cmd_pipeline(args: argparse.Namespace) -> None:
+    from flows.pipeline import pipeline_command
+
+    pipeline_command(_config(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from flows.deployments import serve_command
+
+    serve_command(_config(args))
+
+
+def cmd_ui(args: argparse.Namespace) -> None:
+    from journeys.tracking import ui_command
+
+    ui_command(_config(args), host=args.host, port=args.port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="journeys", description="Model user journeys: ingest, train, score, attribute."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, handler: Callable[[argparse.Namespace], None], text: str):
+        sub = commands.add_parser(name, help=text, description=text)
+        _add_config_args(sub)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    sim = command("simulate", cmd_simulate, "write a synthetic event log with ground truth")
+    sim.add_argument("--out", required=True, help="folder for the event log")
+    sim.add_argument("--users", type=int, default=None)
+    sim.add_argument("--seed", type=int, default=None)
+
+    command("ingest", cmd_ingest, "raw event logs -> validated, labelled, split journeys")
+
+    train = command("train", cmd_train, "train the transformer and baselines, log to MLflow")
+    train.add_argument("--resume", action="store_true", help="continue the last interrupted run")
+
+    score = command("score", cmd_score, "batch-score journeys to Parquet with attention")
+    score.add_argument("--model", default=None, help="MLflow model URI (default: champion)")
+    score.add_argument("--input", default=None, help="raw log or journeys folder")
+    score.add_argument("--out", default=None, help="scores folder (default paths.scores)")
+
+    attr = command("attribute", cmd_attribute, "attribution report from scores")
+    attr.add_argument("--scores", default=None, help="scores folder (default paths.scores)")
+    attr.add_argument("--out", default=None, help="report folder (default paths.reports)")
+
+    command("pipeline", cmd_pipeline, "the end-to-end Prefect flow")
+    command("serve", cmd_serve, "serve the scheduled Prefect deployments")
+    ui = command("ui", cmd_ui, "open the MLflow UI on 127.0.0.1")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=5000)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except JourneysError as err:
+        print(f"journeys {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"journeys {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Typed configuration: YAML files plus `--set a.b=c` overrides, validated by pydantic.
+
+Every section forbids unknown keys, so a typo is an error rather than a silently ignored
+setting. `load_config` is the single entry point; it raises `ConfigError` with a one-line
+message that the CLI prints before exiting with code 2.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from journeys.errors import ConfigError
+
+DEFAULT_CONFIG = Path("conf/default.yaml")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+_DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_duration(text: str | int | float) -> timedelta:
+    """'7d', '36h', '90m', '30s', '2w' (or a number of seconds) -> timedelta."""
+    if isinstance(text, int | float):
+        return timedelta(seconds=float(text))
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30m, 36h, 7d)")
+    value, unit = match.groups()
+    return timedelta(**{_DURATION_UNITS[unit]: float(value)})
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Paths(Section):
+    raw: str = "data/raw"
+    journeys: str = "data/journeys"
+    quarantine: str = "data/quarantine"
+    scores: str = "data/scores"
+    reports: str = "data/reports"
+    checkpoints: str = "data/checkpoints"
+
+
+class Data(Section):
+    # logical name -> column name in the raw log; unmapped logical names are used as-is
+    columns: dict[str, str] = Field(default_factory=dict)
+    features: list[str] = Field(default_factory=lambda: ["channel", "device"])
+    format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"
+    timezone: str = "UTC"
+    timestamp_unit: Literal["s", "ms", "us"] | None = None
+    event_map: dict[str, str] = Field(default_factory=dict)
+    conversion_events: list[str] = Field(default_factory=lambda: ["purchase"])
+    drop_events: list[str] = Field(default_factory=list)
+    valid_from: datetime | None = None
+    valid_until: datetime | None = None
+
+    @field_validator("columns")
+    @classmethod
+    def _known_logical_names(cls, columns: dict[str, str]) -> dict[str, str]:
+        for name, raw in columns.items():
+            if not raw:
+                raise ValueError(f"column for {name!r} is empty")
+        return columns
+
+    @field_validator("timezone")
+    @classmethod
+    def _valid_timezone(cls, zone: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(zone)
+        except (ZoneInfoNotFoundError, ValueError) as err:
+            raise ValueError(f"unknown time zone {zone!r}") from err
+        return zone
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Data:
+        if not self.conversion_events:
+            raise ValueError("conversion_events must name at least one event type")
+        both = set(self.conversion_events) & set(self.drop_events)
+        if both:
+            raise ValueError(f"events both converting and dropped: {sorted(both)}")
+        reserved = {"user_id", "timestamp", "event_type"} & set(self.features)
+        if reserved:
+            raise ValueError(f"features cannot be {sorted(reserved)}")
+        if len(set(self.features)) != len(self.features):
+            raise ValueError("features are listed twice")
+        if self.valid_from and self.valid_until and self.valid_from >= self.valid_until:
+            raise ValueError("valid_from must be before valid_until")
+        return self
+
+    def column(self, logical: str) -> str:
+        """The raw column name for a logical column (user_id, timestamp, event_type, a feature)."""
+        return self.columns.get(logical, logical)
+
+
+class Journey(Section):
+    max_gap: str = "7d"
+    max_events: Annotated[int, Field(ge=1, le=4096)] = 64
+    # After a conversion: start a new journey (contract default), or drop the events that
+    # follow it until the next long gap (one case = one journey, as in BPIC 2012).
+    after_conversion: Literal["new_journey", "drop"] = "new_journey"
+
+    @field_validator("max_gap")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        parse_duration(value)
+        return value
+
+    @property
+    def max_gap_delta(self) -> timedelta:
+        return parse_duration(self.max_gap)
+
+
+class Split(Section):
+    fractions: tuple[float, float, float] = (0.7, 0.15, 0.15)
+
+    @field_validator("fractions")
+    @classmethod
+    def _sum_to_one(cls, fractions: tuple[float, float, float]) -> tuple[float, float, float]:
+        if any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
+            raise ValueError("split fractions must be non-negative and sum to 1")
+        if fractions[0] <= 0:
+            raise ValueError("the train fraction must be positive")
+        return fractions
+
+
+class Vocab(Section):
+    min_count: Annotated[int, Field(ge=1)] = 5
+
+
+class Simulate(Section):
+    users: Annotated[int, Field(ge=1)] = 20_000
+    seed: int = 0
+    start: datetime = datetime(2026, 1, 1)
+    days: Annotated[int, Field(ge=1)] = 90
+    conversion_rate: Annotated[float, Field(gt=0, lt=1)] = 0.04
+    dirty_rate: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    shuffle: bool = False
+    format: Literal["csv", "jsonl", "parquet"] = "csv"
+
+
+class Model(Section):
+    d_model: Annotated[int, Field(ge=8)] = 64
+    n_heads: Annotated[int, Field(ge=1)] = 4
+    n_layers: Annotated[int, Field(ge=1)] = 2
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    positional: Literal["sinusoidal", "learned", "none"] = "sinusoidal"
+    norm: Literal["pre", "post"] = "pre"
+    pooling: Literal["cls", "mean", "last"] = "cls"
+    causal: bool = False
+    time_buckets: Annotated[int, Field(ge=2)] = 32
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> Model:
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
+        return self
+
+
+class Train(Section):
+    max_epochs: Annotated[int, Field(ge=1)] = 8
+    batch_size: Annotated[int, Field(ge=1)] = 256
+    optimizer: Literal["adam", "adamw"] = "adamw"
+    lr: Annotated[float, Field(gt=0)] = 1e-3
+    weight_decay: Annotated[float, Field(ge=0)] = 0.01
+    warmup_steps: Annotated[int, Field(ge=0)] = 200
+    schedule: Literal["inverse_sqrt", "cosine"] = "inverse_sqrt"
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0
+    pos_weight: Annotated[float, Field(gt=0)] | None = None
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    patience: Annotated[int, Field(ge=1)] = 3
+    accelerator: Literal["auto", "cpu", "gpu"] = "auto"
+    devices: int | str = 1
+    num_nodes: Annotated[int, Field(ge=1)] = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    num_workers: Annotated[int, Field(ge=0)] = 0
+    seed: int = 0
+    baselines: list[Literal["logreg", "hgb", "last_touch", "prior"]] = Field(
+        default_factory=lambda: ["logreg", "hgb", "last_touch", "prior"]
+    )
+    bigrams: bool = False
+
+
+class Mlflow(Section):
+    tracking_uri: str = "sqlite:///mlflow.db"
+    experiment: str = "journeys"
+    registered_model: str = "journey-conversion"
+
+
+class Score(Section):
+    batch_size: Annotated[int, Field(ge=1)] = 1024
+    chunk_journeys: Annotated[int, Field(ge=1)] = 50_000
+    attention: Literal["pooled", "rollout"] = "pooled"
+
+
+class Schedule(Section):
+    timezone: str = "UTC"
+    ingest_cron: str = "0 2 * * *"
+    score_cron: str = "30 2 * * *"
+    train_cron: str = "0 3 * * 1"
+
+
+class Config(Section):
+    paths: Paths = Field(default_factory=Paths)
+    data: Data = Field(default_factory=Data)
+    journey: Journey = Field(default_factory=Journey)
+    split: Split = Field(default_factory=Split)
+    vocab: Vocab = Field(default_factory=Vocab)
+    simulate: Simulate = Field(default_factory=Simulate)
+    model: Model = Field(default_factory=Model)
+    train: Train = Field(default_factory=Train)
+    mlflow: Mlflow = Field(default_factory=Mlflow)
+    score: Score = Field(default_factory=Score)
+    schedule: Schedule = Field(default_factory=Schedule)
+
+    def flat(self) -> dict[str, str]:
+        """The resolved config as `section.key -> value` strings (MLflow params)."""
+        out: dict[str, str] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for key, inner in value.items():
+                    walk(f"{prefix}.{key}" if prefix else str(key), inner)
+            else:
+                out[prefix] = str(value)
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+def _apply_override(tree: dict[str, Any], assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got {assignment!r}")
+    key, raw_value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set has an empty key part in {key!r}")
+    value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _describe(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    return f"{where}: {message}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (default `conf/default.yaml` if it exists), apply overrides, validate."""
+    tree: dict[str, Any] = {}
+    config_path = Path(path) if path else DEFAULT_CONFIG
+    if path or config_path.exists():
+        try:
+            loaded = yaml.safe_load(config_path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {config_path}") from None
+        except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
+            reason = str(err).splitlines()[0]
+            raise ConfigError(f"config file {config_path} is not valid YAML: {reason}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {config_path} must hold a mapping of sections")
+        tree = loaded or {}
+    for assignment in overrides or []:
+        _apply_override(tree, assignment)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(f"invalid configuration: {_describe(err)}") from None

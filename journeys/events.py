@@ -1,0 +1,249 @@
+"""Raw event logs -> validated events, with every rejected row quarantined with a reason.
+
+Stage one of the pipeline. Reads CSV (also `.csv.gz`), JSON Lines and Parquet from a file,
+a folder or a glob; maps configured column names to the logical ones; parses every
+timestamp form of the contract to UTC; and sorts each row into exactly one bucket:
+valid, quarantined (with a reason code), exact duplicate, or dropped by configuration.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import polars as pl
+
+from journeys.config import Data
+from journeys.errors import InputError
+
+# Logical columns every event log must provide (their raw names come from data.columns).
+REQUIRED = ("user_id", "timestamp", "event_type")
+REASONS = ("missing_user_id", "missing_event_type", "bad_timestamp", "out_of_range")
+
+SOURCE, ROW = "source_file", "row_number"
+TS = "ts"  # the parsed UTC timestamp; `timestamp` keeps the original text
+UTC_US = pl.Datetime("us", "UTC")
+
+# Accepted ISO 8601 layouts after normalising `Z` to `+00:00` and a space to `T`.
+_ISO_WITH_OFFSET = "%Y-%m-%dT%H:%M:%S%.f%:z"
+_ISO_NAIVE = "%Y-%m-%dT%H:%M:%S%.f"
+_ISO_DATE = "%Y-%m-%d"
+_EPOCH_PER_US = {"s": 1_000_000, "ms": 1_000, "us": 1}
+
+_SUFFIX_FORMATS = {
+    ".csv": "csv",
+    ".gz": "csv",  # .csv.gz; other compressed formats are not accepted
+    ".tsv": "csv",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+}
+
+
+@dataclass(frozen=True)
+class Events:
+    """The outcome of reading and validating raw logs."""
+
+    valid: pl.DataFrame  # user_id, ts, event_type, <features>, source_file, row_number
+    quarantine: pl.DataFrame  # original values (text), source_file, row_number, reason
+    rows_read: int
+    duplicates_dropped: int
+    dropped_by_config: int
+    sources: list[str]
+    data_end: datetime | None  # latest valid timestamp, dropped events included
+
+    @property
+    def quarantined(self) -> dict[str, int]:
+        counts = dict.fromkeys(REASONS, 0)
+        for reason, count in self.quarantine.group_by("reason").len().iter_rows():
+            counts[reason] = count
+        return counts
+
+
+def resolve_sources(raw: str | Path) -> list[Path]:
+    """A file, a folder (its supported files, not recursive) or a glob -> sorted file list.
+
+    Names starting with `_` or `.` are skipped in folders (e.g. the simulator's `_truth/`).
+    """
+    raw = str(raw)
+    path = Path(raw)
+    if any(ch in raw for ch in "*?["):
+        files = [Path(p) for p in glob.glob(raw, recursive=True) if Path(p).is_file()]
+    elif path.is_dir():
+        files = [
+            p
+            for p in path.iterdir()
+            if p.is_file() and not p.name.startswith(("_", ".")) and _format_of(p) is not None
+        ]
+    elif path.is_file():
+        files = [path]
+    else:
+        raise InputError(f"input not found: {raw}")
+    if not files:
+        raise InputError(f"no event files (csv, csv.gz, jsonl, parquet) in {raw}")
+    return sorted(files)
+
+
+def _format_of(path: Path) -> str | None:
+    if path.name.endswith(".csv.gz"):
+        return "csv"
+    if path.suffix == ".gz":
+        return None
+    return _SUFFIX_FORMATS.get(path.suffix.lower())
+
+
+def _scan(path: Path, fmt: str) -> pl.LazyFrame:
+    """Read one file lazily; CSV columns all as text so nothing is coerced before validation."""
+    if fmt == "csv":
+        separator = "\t" if path.suffix == ".tsv" else ","
+        if path.name.endswith(".gz"):
+            # scan_csv does not read compressed files; read_csv decompresses in memory.
+            return pl.read_csv(
+                path, infer_schema=False, separator=separator, encoding="utf8-lossy"
+            ).lazy()
+        return pl.scan_csv(path, infer_schema=False, separator=separator, encoding="utf8-lossy")
+    if fmt == "jsonl":
+        # JSON values may mix types between rows; read eagerly and let errors name the file.
+        return pl.read_ndjson(path, infer_schema_length=None).lazy()
+    return pl.scan_parquet(path)
+
+
+def _parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
+    """Any contract timestamp form -> datetime[us, UTC]; unparseable values become null."""
+    if isinstance(dtype, pl.Datetime):
+        if dtype.time_zone is None:
+            return (
+                raw.dt.replace_time_zone(data.timezone, ambiguous="earliest")
+                .dt.convert_time_zone("UTC")
+                .cast(UTC_US)
+            )
+        return raw.dt.convert_time_zone("UTC").cast(UTC_US)
+    if dtype.is_numeric():
+        if data.timestamp_unit is None:
+            raise InputError(
+                "numeric timestamps need data.timestamp_unit (s, ms or us) in the configuration"
+            )
+        return _from_epoch(raw.cast(pl.Float64, strict=False), data.timestamp_unit)
+
+    text = raw.cast(pl.String).str.strip_chars()
+    iso = text.str.replace(r"[zZ]$", "+00:00").str.replace(" ", "T", literal=True)
+    # Give the formats explicitly: inference has silently returned all-null columns (STACK_NOTES).
+    with_offset = iso.str.to_datetime(
+        _ISO_WITH_OFFSET, strict=False, time_zone="UTC", time_unit="us"
+    )
+    naive = pl.coalesce(
+        iso.str.to_datetime(_ISO_NAIVE, strict=False, time_unit="us"),
+        iso.str.to_datetime(_ISO_DATE, strict=False, time_unit="us"),
+    )
+    local = naive.dt.replace_time_zone(data.timezone, ambiguous="earliest", non_existent="null")
+    parsed = pl.coalesce(with_offset, local.dt.convert_time_zone("UTC"))
+    if data.timestamp_unit is not None:
+        epoch = _from_epoch(text.cast(pl.Float64, strict=False), data.timestamp_unit)
+        parsed = pl.coalesce(epoch, parsed)
+    return parsed.cast(UTC_US)
+
+
+def _from_epoch(value: pl.Expr, unit: str) -> pl.Expr:
+    micros = (value * _EPOCH_PER_US[unit]).round(0)
+    # Years outside ~1677..2262 overflow; treat them as unparseable rather than wrapping.
+    in_range = micros.is_finite() & (micros.abs() < 9.2e18)
+    return pl.when(in_range).then(micros.cast(pl.Int64, strict=False)).cast(UTC_US)
+
+
+def _aware(moment: datetime | None, zone: str) -> datetime | None:
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=ZoneInfo(zone))
+
+
+def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
+    """One file -> the logical columns as text, plus `ts`, the source file and row number."""
+    fmt = _format_of(path) if data.format == "auto" else data.format
+    if fmt is None:
+        raise InputError(f"{path}: unsupported file type (use csv, csv.gz, jsonl or parquet)")
+    try:
+        frame = _scan(path, fmt)
+        schema = frame.collect_schema()
+    except (pl.exceptions.PolarsError, OSError, ValueError) as err:
+        raise InputError(f"{path}: cannot read as {fmt}: {_first_line(err)}") from None
+
+    raw_names = {logical: data.column(logical) for logical in text_columns}
+    missing = [f"{raw} ({logical})" for logical, raw in raw_names.items() if raw not in schema]
+    if missing:
+        raise InputError(f"{path}: missing column(s) {', '.join(missing)}; see data.columns")
+
+    ts_raw = pl.col(raw_names["timestamp"])
+    return frame.select(
+        *[pl.col(raw).cast(pl.String).alias(logical) for logical, raw in raw_names.items()],
+        _parse_timestamp(ts_raw, schema[raw_names["timestamp"]], data).alias(TS),
+        pl.lit(str(path)).alias(SOURCE),
+        pl.int_range(1, pl.len() + 1, dtype=pl.Int64).alias(ROW),
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def read_events(raw: str | Path, data: Data) -> Events:
+    """Read, validate and de-duplicate raw logs. Every input row lands in exactly one bucket."""
+    sources = resolve_sources(raw)
+    text_columns = [*REQUIRED, *data.features]
+    frames = [_read_file(path, data, text_columns) for path in sources]
+    try:
+        rows = pl.concat(frames, how="vertical").collect(engine="streaming")
+    except (pl.exceptions.PolarsError, OSError) as err:
+        raise InputError(f"cannot read {raw}: {_first_line(err)}") from None
+    rows_read = rows.height
+
+    user = pl.col("user_id").str.strip_chars()
+    event = pl.col("event_type").str.strip_chars()
+    valid_from = _aware(data.valid_from, data.timezone)
+    valid_until = _aware(data.valid_until, data.timezone)
+    out_of_range = pl.lit(False)
+    if valid_from is not None:
+        out_of_range = out_of_range | (pl.col(TS) < valid_from)
+    if valid_until is not None:
+        out_of_range = out_of_range | (pl.col(TS) > valid_until)
+    reason = (
+        pl.when(user.is_null() | (user == ""))
+        .then(pl.lit("missing_user_id"))
+        .when(event.is_null() | (event == ""))
+        .then(pl.lit("missing_event_type"))
+        .when(pl.col(TS).is_null())
+        .then(pl.lit("bad_timestamp"))
+        .when(out_of_range)
+        .then(pl.lit("out_of_range"))
+    )
+    rows = rows.with_columns(reason.alias("reason"))
+    quarantine = rows.filter(pl.col("reason").is_not_null()).select(
+        *text_columns, SOURCE, ROW, "reason"
+    )
+
+    valid = rows.filter(pl.col("reason").is_null())
+    # Exact duplicates: identical original values in every column the product reads.
+    deduped = valid.unique(subset=text_columns, keep="first", maintain_order=True)
+    duplicates_dropped = valid.height - deduped.height
+
+    mapped_event = event.replace(data.event_map) if data.event_map else event
+    deduped = deduped.with_columns(
+        user.alias("user_id"),
+        mapped_event.alias("event_type"),
+        *[pl.col(name).str.strip_chars().alias(name) for name in data.features],
+    )
+    kept = deduped.filter(~pl.col("event_type").is_in(data.drop_events))
+    return Events(
+        data_end=deduped.get_column(TS).max(),
+        valid=kept.select("user_id", TS, "event_type", *data.features, SOURCE, ROW),
+        quarantine=quarantine,
+        rows_read=rows_read,
+        duplicates_dropped=duplicates_dropped,
+        dropped_by_config=deduped.height - kept.height,
+        sources=[str(p) for p in sources],
+    )

@@ -1,0 +1,83 @@
+"""Atomic writes: a reader sees the previous complete output or the new one, never half.
+
+Files are written to a temporary name in the same folder and renamed into place
+(`os.replace` is atomic on POSIX). Folders holding several files that belong together
+(journeys + vocabularies + report) are built beside the target and swapped in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `target`; rename it onto `target` if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_parquet(frame: pl.DataFrame, target: str | Path) -> None:
+    with atomic_path(target) as tmp:
+        frame.write_parquet(tmp)
+
+
+def write_json(data: Any, target: str | Path) -> None:
+    with atomic_path(target) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside `target`; swap it in if the block succeeds.
+
+    The old folder is renamed aside before the new one is renamed in, so a crash leaves
+    either the old complete folder, the new complete one, or (between the two renames)
+    none at `target` with the old one recoverable at `<target>.old`.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield staging
+        _fsync_dir(staging)
+        aside = target.with_name(f".{target.name}.old")
+        if aside.exists():
+            shutil.rmtree(aside)
+        if target.exists():
+            os.replace(target, aside)
+        os.replace(staging, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,479 @@
+"""Ingest: row accounting, quarantine, ordering, timestamps, labels, censoring, split, vocab."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from journeys.cli import main
+from journeys.config import load_config
+from journeys.ingest import JOURNEYS_FILE, REPORT_FILE, ingest, run_ingest
+from journeys.vocab import Vocabularies
+
+EVENTS = ["search", "page_view", "click", "add_to_cart", "checkout", "purchase"]
+CHANNELS = ["email", "display", "direct"]
+
+
+def clean_log(n_users: int = 40, seed: int = 0) -> pl.DataFrame:
+    """A small valid log: unique per-user timestamps, a few weeks, some purchases."""
+    rng = np.random.default_rng(seed)
+    per_user = rng.integers(1, 25, n_users)
+    users = np.repeat([f"u{i:03d}" for i in range(n_users)], per_user)
+    # Gaps from seconds to ~12 days so some users have several journeys.
+    gaps = rng.choice(
+        [30, 600, 7200, 3 * 86400, 12 * 86400], size=users.size, p=[0.4, 0.3, 0.15, 0.1, 0.05]
+    )
+    frame = pl.DataFrame({"user_id": users, "gap": gaps}).with_columns(
+        (pl.col("gap").cum_sum().over("user_id") + pl.int_range(pl.len()) % 7).alias("offset")
+    )
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    times = [start + timedelta(seconds=int(s)) for s in frame.get_column("offset").to_list()]
+    return pl.DataFrame(
+        {
+            "user_id": users,
+            "timestamp": [t.strftime("%Y-%m-%dT%H:%M:%SZ") for t in times],
+            "event_type": rng.choice(EVENTS, users.size, p=[0.25, 0.3, 0.2, 0.12, 0.05, 0.08]),
+            "channel": rng.choice(CHANNELS, users.size),
+            "device": rng.choice(["mobile", "desktop"], users.size),
+        }
+    )
+
+
+def config_for(raw: Path, tmp: Path, *extra: str):
+    return load_config(
+        None,
+        [
+            f"paths.raw={raw}",
+            f"paths.journeys={tmp / 'journeys'}",
+            f"paths.quarantine={tmp / 'quarantine'}",
+            "vocab.min_count=1",
+            *extra,
+        ],
+    )
+
+
+def journeys_of(raw: Path, tmp: Path, *extra: str) -> pl.DataFrame:
+    return run_ingest(config_for(raw, tmp, *extra)).journeys
+
+
+def assert_accounting(report: dict) -> None:
+    assert report["rows_read"] == (
+        report["rows_valid"]
+        + report["quarantined_total"]
+        + report["duplicates_dropped"]
+        + report["dropped_by_config"]
+    )
+    assert report["quarantined_total"] == sum(report["quarantined"].values())
+
+
+# --- accounting and quarantine -------------------------------------------------------------
+
+
+def test_dirty_rows_are_quarantined_by_reason_and_accounted(tmp_path: Path) -> None:
+    clean = clean_log()
+    dirty = pl.DataFrame(
+        {
+            "user_id": [None, "", "u001", "u002", "u003", "u004"],
+            "timestamp": ["2026-01-02T00:00:00Z"] * 3 + ["not-a-time", "2026-13-45T99:00:00Z", ""],
+            "event_type": ["click", "click", None, "click", "click", "click"],
+            "channel": ["email"] * 6,
+            "device": ["mobile"] * 6,
+        }
+    )
+    duplicates = clean.head(5)
+    log = pl.concat([clean, dirty, duplicates])
+    log.write_csv(tmp_path / "events.csv")
+    config = config_for(tmp_path / "events.csv", tmp_path, "data.drop_events=[checkout]")
+    report = ingest(config)
+
+    assert_accounting(report)
+    assert report["rows_read"] == log.height
+    assert report["quarantined"] == {
+        "missing_user_id": 2,
+        "missing_event_type": 1,
+        "bad_timestamp": 3,
+        "out_of_range": 0,
+    }
+    assert report["duplicates_dropped"] == 5
+    assert report["dropped_by_config"] == clean.filter(pl.col("event_type") == "checkout").height
+    quarantine = pl.read_parquet(tmp_path / "quarantine" / "quarantine.parquet")
+    assert quarantine.height == 6
+    # Original values, source file and row number survive for inspection.
+    bad = quarantine.filter(pl.col("timestamp") == "not-a-time").row(0, named=True)
+    assert bad["user_id"] == "u002"
+    assert bad["row_number"] == clean.height + 4
+    assert bad["source_file"].endswith("events.csv")
+    assert json.loads((tmp_path / "journeys" / REPORT_FILE).read_text()) == json.loads(
+        json.dumps(report, default=str)
+    )
+
+
+def test_out_of_range_rows_are_quarantined(tmp_path: Path) -> None:
+    clean_log().write_csv(tmp_path / "e.csv")
+    result = run_ingest(
+        config_for(tmp_path / "e.csv", tmp_path, "data.valid_until=2026-01-10T00:00:00")
+    )
+    late = clean_log().filter(pl.col("timestamp") > "2026-01-10T00:00:00Z").height
+    assert late > 0
+    assert result.report["quarantined"]["out_of_range"] == late
+    assert_accounting(result.report)
+
+
+dirty_row = st.fixed_dictionaries(
+    {
+        "user_id": st.one_of(st.none(), st.just(""), st.sampled_from(["a", "b", "c", " d "])),
+        "timestamp": st.one_of(
+            st.none(),
+            st.sampled_from(["garbage", "2026-02-30T00:00:00Z", "", "12:00"]),
+            st.datetimes(datetime(2025, 1, 1), datetime(2027, 1, 1)).map(
+                lambda t: t.strftime("%Y-%m-%dT%H:%M:%S") + "Z"
+            ),
+        ),
+        "event_type": st.one_of(st.none(), st.just(""), st.sampled_from([*EVENTS, "odd,one"])),
+        "channel": st.sampled_from([*CHANNELS, ""]),
+        "device": st.just("mobile"),
+    }
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(rows=st.lists(dirty_row, min_size=1, max_size=60))
+def test_accounting_invariant_holds_for_any_rows(tmp_path: Path, rows: list[dict]) -> None:
+    frame = pl.DataFrame(rows, schema={k: pl.String for k in rows[0]})
+    frame.write_csv(tmp_path / "fuzz.csv")
+    expected = {"missing_user_id": 0, "missing_event_type": 0, "bad_timestamp": 0}
+    for row in rows:
+        if not (row["user_id"] or "").strip():
+            expected["missing_user_id"] += 1
+        elif not (row["event_type"] or "").strip():
+            expected["missing_event_type"] += 1
+        elif (
+            not row["timestamp"]
+            or not row["timestamp"][:4].isdigit()
+            or "02-30" in row["timestamp"]
+        ):
+            expected["bad_timestamp"] += 1
+    report = run_ingest(config_for(tmp_path / "fuzz.csv", tmp_path)).report
+    assert_accounting(report)
+    assert {k: report["quarantined"][k] for k in expected} == expected
+
+
+# --- order independence ---------------------------------------------------------------------
+
+
+def test_shuffled_and_split_input_give_identical_journeys(tmp_path: Path) -> None:
+    log = clean_log(n_users=60, seed=3)
+    (tmp_path / "one").mkdir()
+    log.write_csv(tmp_path / "one" / "events.csv")
+    (tmp_path / "shuffled").mkdir()
+    log.sample(fraction=1.0, shuffle=True, seed=11).write_csv(tmp_path / "shuffled" / "e.csv")
+    (tmp_path / "parts").mkdir()
+    shuffled = log.sample(fraction=1.0, shuffle=True, seed=5)
+    for i, part in enumerate(shuffled.iter_slices(n_rows=log.height // 3 + 1)):
+        if i == 1:
+            part.write_ndjson(tmp_path / "parts" / f"part-{i}.jsonl")
+        else:
+            part.write_parquet(tmp_path / "parts" / f"part-{i}.parquet")
+
+    outputs = []
+    for name in ("one", "shuffled", "parts"):
+        journeys = journeys_of(tmp_path / name, tmp_path / f"out-{name}")
+        outputs.append(journeys.sort("journey_id"))
+    assert outputs[0].height > 50
+    assert outputs[0].equals(outputs[1])
+    assert outputs[0].equals(outputs[2])
+
+
+def test_glob_input(tmp_path: Path) -> None:
+    log = clean_log()
+    log.head(100).write_csv(tmp_path / "a.csv")
+    log.tail(log.height - 100).write_csv(tmp_path / "b.csv")
+    log.write_csv(tmp_path / "whole.csv")
+    from_glob = journeys_of(tmp_path / "[ab].csv", tmp_path / "g")
+    whole = journeys_of(tmp_path / "whole.csv", tmp_path / "w")
+    assert from_glob.equals(whole)
+
+
+# --- timestamps -----------------------------------------------------------------------------
+
+
+def test_every_timestamp_form_gives_the_same_utc_instant(tmp_path: Path) -> None:
+    instant = datetime(2026, 3, 1, 12, 30, 15, tzinfo=UTC)
+    epoch = int(instant.timestamp())
+    forms = {
+        "z": ("2026-03-01T12:30:15Z", []),
+        "offset": ("2026-03-01T14:30:15+02:00", []),
+        "naive_utc": ("2026-03-01 12:30:15", []),
+        "naive_local": ("2026-03-01T13:30:15", ["data.timezone=Europe/Amsterdam"]),
+        "epoch_s": (str(epoch), ["data.timestamp_unit=s"]),
+        "epoch_ms": (str(epoch * 1000), ["data.timestamp_unit=ms"]),
+        "epoch_us": (str(epoch * 1_000_000), ["data.timestamp_unit=us"]),
+    }
+    for name, (text, extra) in forms.items():
+        raw = tmp_path / f"{name}.csv"
+        pl.DataFrame(
+            {
+                "user_id": ["u"],
+                "timestamp": [text],
+                "event_type": ["click"],
+                "channel": ["x"],
+                "device": ["y"],
+            }
+        ).write_csv(raw)
+        journeys = journeys_of(raw, tmp_path / name, *extra)
+        assert journeys.get_column("start_time").to_list() == [instant], name
+
+
+def test_numeric_epoch_column_in_parquet(tmp_path: Path) -> None:
+    instant = datetime(2026, 3, 1, 12, 30, 15, 250000, tzinfo=UTC)
+    pl.DataFrame(
+        {
+            "u": ["a"],
+            "t": [int(instant.timestamp() * 1000)],
+            "e": ["click"],
+            "channel": ["x"],
+            "device": ["y"],
+        }
+    ).write_parquet(tmp_path / "e.parquet")
+    journeys = journeys_of(
+        tmp_path / "e.parquet",
+        tmp_path,
+        "data.columns={user_id: u, timestamp: t, event_type: e}",
+        "data.timestamp_unit=ms",
+    )
+    assert journeys.get_column("start_time").to_list() == [instant]
+
+
+# --- journeys, labels, censoring, split, vocabularies ---------------------------------------
+
+
+def test_hand_made_journeys(tmp_path: Path) -> None:
+    rows = [
+        # user a: converts after 3 events; the next event starts a new journey.
+        ("a", "2026-01-01T10:00:00Z", "search"),
+        ("a", "2026-01-01T10:05:00Z", "click"),
+        ("a", "2026-01-01T10:09:00Z", "add_to_cart"),
+        ("a", "2026-01-01T10:10:00Z", "purchase"),
+        ("a", "2026-01-01T11:00:00Z", "page_view"),
+        # user b: a lone purchase makes no journey; then an 8-day gap splits two journeys.
+        ("b", "2026-01-02T00:00:00Z", "purchase"),
+        ("b", "2026-01-03T00:00:00Z", "search"),
+        ("b", "2026-01-11T00:00:01Z", "search"),
+        ("b", "2026-01-11T00:00:02Z", "BRAND_NEW"),
+        # user c: late unconverted journey -> censored (within 7d of the data end).
+        ("c", "2026-01-30T00:00:00Z", "search"),
+        ("c", "2026-02-01T00:00:00Z", "page_view"),
+    ]
+    frame = pl.DataFrame(rows, schema=["user_id", "timestamp", "event_type"], orient="row")
+    frame.with_columns(channel=pl.lit("email"), device=pl.lit("m")).write_csv(tmp_path / "e.csv")
+    journeys = journeys_of(tmp_path / "e.csv", tmp_path).sort("journey_id")
+    by_events = {tuple(j["event_type"]): j for j in journeys.iter_rows(named=True)}
+
+    converted = by_events[("search", "click", "add_to_cart")]
+    assert converted["label"] == 1 and not converted["censored"]
+    assert converted["end_time"] == datetime(2026, 1, 1, 10, 10, tzinfo=UTC)
+    assert by_events[("page_view",)]["label"] == 0
+    assert ("purchase",) not in by_events
+    assert by_events[("search",)]["user_id"] == "b"
+    assert by_events[("search", "BRAND_NEW")]["user_id"] == "b"
+    late = by_events[("search", "page_view")]
+    assert late["censored"] and late["split"] == "none"
+    assert journeys.height == 5
+    report = json.loads(
+        json.dumps(run_ingest(config_for(tmp_path / "e.csv", tmp_path)).report, default=str)
+    )
+    assert report["conversions_without_journey"] == 1
+    expected_id = f"a-{int(datetime(2026, 1, 1, 10, tzinfo=UTC).timestamp() * 1_000_000)}"
+    assert converted["journey_id"] == expected_id
+
+
+def test_no_conversion_inside_sequences_and_splits_are_ordered(tmp_path: Path) -> None:
+    clean_log(n_users=200, seed=1).write_csv(tmp_path / "e.csv")
+    config = config_for(tmp_path / "e.csv", tmp_path, "journey.max_events=5")
+    result = run_ingest(config)
+    journeys = result.journeys
+    assert journeys.height > 200
+    assert not journeys.get_column("event_type").list.contains("purchase").any()
+    # max_events keeps the most recent events; n_events_total keeps the true length.
+    assert journeys.get_column("n_events").max() == 5
+    long = journeys.filter(pl.col("n_events_total") > 5)
+    assert long.height > 0
+    assert (long.get_column("event_time").list.last() <= long.get_column("end_time")).all()
+    assert (journeys.get_column("event_type").list.len() == journeys.get_column("n_events")).all()
+    # Censored journeys are exactly the late unconverted ones and carry no split.
+    data_end = result.report["data_end"]
+    late = (pl.col("label") == 0) & (pl.lit(data_end) - pl.col("end_time") <= timedelta(days=7))
+    assert journeys.filter(late).height == journeys.filter(pl.col("censored")).height > 0
+    assert (journeys.filter(pl.col("censored")).get_column("split") == "none").all()
+    # Temporal split: every train journey ends before every val journey, val before test.
+    ends = {
+        s: journeys.filter(pl.col("split") == s).get_column("end_time")
+        for s in ("train", "val", "test")
+    }
+    assert all(len(v) for v in ends.values())
+    assert ends["train"].max() < ends["val"].min()
+    assert ends["val"].max() < ends["test"].min()
+
+
+def test_vocabularies_come_from_train_only(tmp_path: Path) -> None:
+    log = clean_log(n_users=100, seed=2)
+    # A token that exists only late in the data (so only in val/test journeys).
+    late_users = log.filter(pl.col("timestamp") > "2026-01-25").head(3)
+    extra = late_users.with_columns(
+        event_type=pl.lit("late_only"),
+        channel=pl.lit("late_channel"),
+        timestamp=pl.lit("2026-03-01T00:00:00Z"),
+    )
+    pl.concat([log, extra]).write_csv(tmp_path / "e.csv")
+    config = config_for(tmp_path / "e.csv", tmp_path)
+    ingest(config)
+    vocabs = Vocabularies.load(tmp_path / "journeys")
+    journeys = pl.read_parquet(tmp_path / "journeys" / JOURNEYS_FILE)
+    train_tokens = set(
+        journeys.filter(pl.col("split") == "train").get_column("event_type").explode()
+    )
+    assert set(vocabs.event_type.tokens[2:]) == train_tokens
+    assert "late_only" not in vocabs.event_type.tokens
+    assert "late_channel" not in vocabs.by_column["channel"].tokens
+    assert vocabs.event_type.tokens[:2] == ("<pad>", "<unk>")
+
+
+def test_vocabulary_min_count(tmp_path: Path) -> None:
+    clean_log(n_users=100).write_csv(tmp_path / "e.csv")
+    journeys = run_ingest(config_for(tmp_path / "e.csv", tmp_path, "vocab.min_count=1")).journeys
+    counts = (
+        journeys.filter(pl.col("split") == "train")
+        .select(pl.col("channel").explode())
+        .to_series()
+        .value_counts()
+    )
+    threshold = int(counts.get_column("count").min()) + 1
+    vocabs = run_ingest(
+        config_for(tmp_path / "e.csv", tmp_path, f"vocab.min_count={threshold}")
+    ).vocabularies
+    kept = set(counts.filter(pl.col("count") >= threshold).get_column("channel"))
+    assert set(vocabs.by_column["channel"].tokens[2:]) == kept
+
+
+# --- BPIC 2012 ------------------------------------------------------------------------------
+
+BPIC = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "bpic2012" / "events.csv.gz"
+OUTCOMES = [
+    "A_APPROVED", "A_DECLINED", "A_CANCELLED", "A_ACTIVATED", "A_REGISTERED",
+    "O_ACCEPTED", "O_DECLINED", "O_CANCELLED",
+]  # fmt: skip
+
+
+@pytest.mark.skipif(not BPIC.exists(), reason="../shared/data/bpic2012 not present")
+def test_bpic2012_through_its_config(tmp_path: Path) -> None:
+    config = load_config(
+        "conf/bpic2012.yaml",
+        [
+            f"paths.journeys={tmp_path / 'j'}",
+            f"paths.quarantine={tmp_path / 'q'}",
+            f"paths.raw={BPIC}",
+        ],
+    )
+    result = run_ingest(config)
+    report = result.report
+    assert report["rows_read"] == 262_200
+    assert report["users"] == 13_087
+    assert report["quarantined_total"] == 0
+    assert_accounting(report)
+    raw = pl.read_csv(BPIC, infer_schema=False)
+    approved_cases = raw.filter(pl.col("activity") == "A_APPROVED").get_column("case_id").n_unique()
+    assert report["journeys_converted"] == approved_cases == 2_246
+    sequences = result.journeys.get_column("event_type").explode()
+    assert not sequences.is_in(OUTCOMES).any()
+    # One case is one journey, except the few that pause for more than max_gap (30 days).
+    assert 13_087 <= report["journeys"] <= 13_087 + 20
+
+
+def test_bpic2012_committed_sample_ingests(tmp_path: Path) -> None:
+    config = load_config(
+        "conf/bpic2012.yaml",
+        [
+            "paths.raw=data/samples/bpic2012/events.csv.gz",
+            f"paths.journeys={tmp_path / 'j'}",
+            f"paths.quarantine={tmp_path / 'q'}",
+        ],
+    )
+    report = ingest(config)
+    assert report["users"] == 785
+    assert report["journeys_converted"] == 133
+    assert_accounting(report)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["ingest", "--config", "missing.yaml"], "config file not found"),
+        (["ingest", "--set", "journey.max_gapp=3d"], "journey.max_gapp: unknown key"),
+        (["ingest", "--set", "journey.max_events=many"], "journey.max_events"),
+        (["ingest", "--set", "journey.max_gap=soon"], "not a duration"),
+        (["ingest", "--set", "paths.raw=/nonexistent/events.csv"], "input not found"),
+    ],
+)
+def test_bad_configuration_or_input_exits_2_with_one_line(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = main([*args, "--set", f"paths.journeys={tmp_path / 'j'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_unreadable_and_mismatched_input_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
+    pl.DataFrame({"visitor": ["a"], "ts": ["2026-01-01"], "action": ["x"]}).write_csv(
+        tmp_path / "other.csv"
+    )
+    for raw, needle in [("broken.parquet", "broken.parquet"), ("other.csv", "missing column")]:
+        code = main(
+            [
+                "ingest",
+                "--set",
+                f"paths.raw={tmp_path / raw}",
+                "--set",
+                f"paths.journeys={tmp_path / 'j'}",
+            ]
+        )
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_ingest_command_writes_outputs_and_keeps_previous_on_failure(tmp_path: Path) -> None:
+    clean_log().write_csv(tmp_path / "e.csv")
+    base = [
+        "--set", f"paths.journeys={tmp_path / 'j'}",
+        "--set", f"paths.quarantine={tmp_path / 'q'}",
+        "--set", "vocab.min_count=1",
+    ]  # fmt: skip
+    assert main(["ingest", "--set", f"paths.raw={tmp_path / 'e.csv'}", *base]) == 0
+    before = (tmp_path / "j" / JOURNEYS_FILE).read_bytes()
+    assert {p.name for p in (tmp_path / "j").iterdir()} == {
+        JOURNEYS_FILE,
+        REPORT_FILE,
+        "vocab.json",
+    }
+    # A failing run leaves the previous complete output in place and no temporary files.
+    assert main(["ingest", "--set", f"paths.raw={tmp_path / 'missing.csv'}", *base]) == 2
+    assert (tmp_path / "j" / JOURNEYS_FILE).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
