@@ -131,6 +131,12 @@ class Split(Section):
         return fractions
 
 
+class Ingest(Section):
+    # Valid rows are hashed by user into this many partitions, processed one at a time:
+    # peak memory is about one partition's share of the input.
+    partitions: Annotated[int, Field(ge=1, le=4096)] = 8
+
+
 class Vocab(Section):
     min_count: Annotated[int, Field(ge=1)] = 5
 
@@ -213,6 +219,7 @@ class Config(Section):
     data: Data = Field(default_factory=Data)
     journey: Journey = Field(default_factory=Journey)
     split: Split = Field(default_factory=Split)
+    ingest: Ingest = Field(default_factory=Ingest)
     vocab: Vocab = Field(default_factory=Vocab)
     simulate: Simulate = Field(default_factory=Simulate)
     model: Model = Field(default_factory=Model)

@@ -25,6 +25,7 @@ REASONS = ("missing_user_id", "missing_event_type", "bad_timestamp", "out_of_ran
 
 SOURCE, ROW = "source_file", "row_number"
 TS = "ts"  # the parsed UTC timestamp; `timestamp` keeps the original text
+REASON = "reason"
 UTC_US = pl.Datetime("us", "UTC")
 
 # Accepted ISO 8601 layouts after normalising `Z` to `+00:00` and a space to `T`.
@@ -43,26 +44,6 @@ _SUFFIX_FORMATS = {
     ".parquet": "parquet",
     ".pq": "parquet",
 }
-
-
-@dataclass(frozen=True)
-class Events:
-    """The outcome of reading and validating raw logs."""
-
-    valid: pl.DataFrame  # user_id, ts, event_type, <features>, source_file, row_number
-    quarantine: pl.DataFrame  # original values (text), source_file, row_number, reason
-    rows_read: int
-    duplicates_dropped: int
-    dropped_by_config: int
-    sources: list[str]
-    data_end: datetime | None  # latest valid timestamp, dropped events included
-
-    @property
-    def quarantined(self) -> dict[str, int]:
-        counts = dict.fromkeys(REASONS, 0)
-        for reason, count in self.quarantine.group_by("reason").len().iter_rows():
-            counts[reason] = count
-        return counts
 
 
 def resolve_sources(raw: str | Path) -> list[Path]:
@@ -191,17 +172,14 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def read_events(raw: str | Path, data: Data) -> Events:
-    """Read, validate and de-duplicate raw logs. Every input row lands in exactly one bucket."""
-    sources = resolve_sources(raw)
-    text_columns = [*REQUIRED, *data.features]
-    frames = [_read_file(path, data, text_columns) for path in sources]
-    try:
-        rows = pl.concat(frames, how="vertical").collect(engine="streaming")
-    except (pl.exceptions.PolarsError, OSError) as err:
-        raise InputError(f"cannot read {raw}: {_first_line(err)}") from None
-    rows_read = rows.height
+def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
+    """All rows of all sources, lazily: logical columns as text, `ts`, source, row, `reason`.
 
+    `reason` is null for a valid row, else the quarantine reason code.
+    """
+    sources = resolve_sources(raw)
+    columns = [*REQUIRED, *data.features]
+    rows = pl.concat([_read_file(path, data, columns) for path in sources], how="vertical")
     user = pl.col("user_id").str.strip_chars()
     event = pl.col("event_type").str.strip_chars()
     valid_from = _aware(data.valid_from, data.timezone)
@@ -221,29 +199,41 @@ def read_events(raw: str | Path, data: Data) -> Events:
         .when(out_of_range)
         .then(pl.lit("out_of_range"))
     )
-    rows = rows.with_columns(reason.alias("reason"))
-    quarantine = rows.filter(pl.col("reason").is_not_null()).select(
-        *text_columns, SOURCE, ROW, "reason"
-    )
+    return rows.with_columns(reason.alias(REASON)), [str(p) for p in sources]
 
-    valid = rows.filter(pl.col("reason").is_null())
+
+def user_bucket(n_buckets: int) -> pl.Expr:
+    """Partition key by user: every event of a user lands in the same bucket."""
+    return (pl.col("user_id").str.strip_chars().hash(seed=0) % n_buckets).cast(pl.Int64)
+
+
+@dataclass(frozen=True)
+class CleanEvents:
+    """One bucket's valid rows after de-duplication and configured drops."""
+
+    events: pl.DataFrame  # user_id, ts, event_type, <features>, source_file, row_number
+    rows_valid: int  # before de-duplication and drops
+    duplicates_dropped: int
+    dropped_by_config: int
+    data_end: datetime | None  # latest timestamp, dropped events included
+
+
+def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
+    """De-duplicate valid rows, normalise values, apply `event_map` and `drop_events`."""
+    columns = [*REQUIRED, *data.features]
     # Exact duplicates: identical original values in every column the product reads.
-    deduped = valid.unique(subset=text_columns, keep="first", maintain_order=True)
-    duplicates_dropped = valid.height - deduped.height
-
-    mapped_event = event.replace(data.event_map) if data.event_map else event
+    deduped = rows.unique(subset=columns, keep="first", maintain_order=True)
+    event = pl.col("event_type").str.strip_chars()
     deduped = deduped.with_columns(
-        user.alias("user_id"),
-        mapped_event.alias("event_type"),
-        *[pl.col(name).str.strip_chars().alias(name) for name in data.features],
+        pl.col("user_id").str.strip_chars(),
+        (event.replace(data.event_map) if data.event_map else event).alias("event_type"),
+        *[pl.col(name).str.strip_chars() for name in data.features],
     )
     kept = deduped.filter(~pl.col("event_type").is_in(data.drop_events))
-    return Events(
-        data_end=deduped.get_column(TS).max(),
-        valid=kept.select("user_id", TS, "event_type", *data.features, SOURCE, ROW),
-        quarantine=quarantine,
-        rows_read=rows_read,
-        duplicates_dropped=duplicates_dropped,
+    return CleanEvents(
+        events=kept.select("user_id", TS, "event_type", *data.features, SOURCE, ROW),
+        rows_valid=rows.height,
+        duplicates_dropped=rows.height - deduped.height,
         dropped_by_config=deduped.height - kept.height,
-        sources=[str(p) for p in sources],
+        data_end=deduped.get_column(TS).max(),
     )

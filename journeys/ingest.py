@@ -3,35 +3,71 @@
 Stage two of the pipeline (`journeys ingest`). A user's time-ordered events split into
 journeys after a gap longer than `journey.max_gap` or after a conversion event. The
 conversion event labels its journey and is cut from the sequence, so the model never sees
-the outcome it predicts. Outputs (journeys, vocabularies, report; quarantine) are swapped
-in atomically: readers see the previous complete output or the new one.
+the outcome it predicts.
+
+The work runs in three passes so memory stays bounded by one partition, not the input:
+1. `stage`: stream every row once, writing quarantined rows aside and valid rows into
+   partitions by user hash (all of a user's events land in one partition);
+2. `build_partition`: per partition, de-duplicate, sort, sessionise and label
+   (independent, so partitions can run in parallel, e.g. as Prefect tasks);
+3. `finish`: censoring and the time split need global facts (the data's end, the end-time
+   cut points), vocabularies count the train split; then every output is swapped in
+   atomically: readers see the previous complete output or the new one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import datetime
+import json
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
 from journeys.config import Config
-from journeys.events import ROW, SOURCE, TS, Events, read_events
+from journeys.errors import InputError
+from journeys.events import (
+    REASON,
+    REASONS,
+    REQUIRED,
+    ROW,
+    SOURCE,
+    TS,
+    UTC_US,
+    clean_events,
+    scan_events,
+    user_bucket,
+)
 from journeys.storage import atomic_dir, write_json
 from journeys.vocab import Vocabularies, Vocabulary
 
-JOURNEYS_FILE = "journeys.parquet"
 REPORT_FILE = "ingest_report.json"
 QUARANTINE_FILE = "quarantine.parquet"
+PART_FILE = "part-{:05d}.parquet"
 SPLITS = ("train", "val", "test")
 NO_SPLIT = "none"  # censored journeys: scored, never trained or evaluated on
+QUARANTINE_BUCKET = -1
+BUCKET = "_bucket"
 ROW_ORDER = "_order"
 
 
 def journey_id_expr(user: str = "user_id", start: str = "start_time") -> pl.Expr:
     """Deterministic id: the user and the first event's UTC instant in microseconds."""
     return pl.format("{}-{}", pl.col(user), pl.col(start).dt.epoch("us"))
+
+
+def read_journeys(folder: str | Path) -> pl.DataFrame:
+    """The journeys dataset (all part files) as one frame."""
+    return scan_journeys(folder).collect()
+
+
+def scan_journeys(folder: str | Path) -> pl.LazyFrame:
+    parts = sorted(Path(folder).glob("*.parquet"))
+    if not parts:
+        raise InputError(f"no journeys in {folder}: run `journeys ingest` first")
+    return pl.scan_parquet(parts)
 
 
 def sort_events(events: pl.DataFrame, features: list[str]) -> pl.DataFrame:
@@ -50,8 +86,8 @@ class Sessionised:
     dropped_after_conversion: int  # with journey.after_conversion = drop
 
 
-def build_journeys(events: pl.DataFrame, config: Config, data_end: datetime | None) -> Sessionised:
-    """Sessionise sorted events into labelled journeys (see the module docstring)."""
+def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
+    """Sessionise sorted events into labelled journeys (censoring and split come later)."""
     features = config.data.features
     max_gap = config.journey.max_gap_delta
     max_events = config.journey.max_events
@@ -93,127 +129,306 @@ def build_journeys(events: pl.DataFrame, config: Config, data_end: datetime | No
     )
     empty = grouped.filter(pl.col("n_events_total") == 0)
     journeys = grouped.filter(pl.col("n_events_total") > 0).drop("_journey")
-
-    censored = pl.lit(False)
-    if data_end is not None:
-        censored = (pl.col("label") == 0) & (pl.lit(data_end) - pl.col("end_time") <= max_gap)
     journeys = journeys.with_columns(
         journey_id_expr().alias("journey_id"),
         pl.col("event_type").list.len().cast(pl.Int32).alias("n_events"),
-        censored.alias("censored"),
     )
     columns = [
         "journey_id", "user_id", "start_time", "end_time", "n_events", "n_events_total",
-        "label", "censored", "event_type", "event_time", *features,
+        "label", "event_type", "event_time", *features,
     ]  # fmt: skip
     return Sessionised(
         journeys.select(columns).sort(["user_id", "start_time"]), empty.height, dropped_after
     )
 
 
-def assign_split(journeys: pl.DataFrame, fractions: tuple[float, float, float]) -> pl.DataFrame:
+@dataclass(frozen=True)
+class Staged:
+    """Pass 1's output: partition folders of valid rows, quarantined rows, counts."""
+
+    folder: Path
+    partitions: list[Path]
+    quarantine: list[Path]
+    rows_read: int
+    sources: list[str]
+
+
+def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged:
+    """Pass 1: read every row once (streaming) into user-hash partitions or quarantine."""
+    rows, sources = scan_events(raw or config.paths.raw, config.data)
+    n = config.ingest.partitions
+    key = pl.when(pl.col(REASON).is_null()).then(user_bucket(n)).otherwise(QUARANTINE_BUCKET)
+    try:
+        rows.with_columns(key.alias(BUCKET)).sink_parquet(
+            pl.PartitionBy(folder, key=BUCKET, include_key=False), mkdir=True
+        )
+    except (pl.exceptions.PolarsError, OSError) as err:
+        raise InputError(f"cannot read {raw or config.paths.raw}: {_first_line(err)}") from None
+    buckets = {int(p.name.split("=", 1)[1]): p for p in folder.glob(f"{BUCKET}=*")}
+    quarantine = sorted(buckets.pop(QUARANTINE_BUCKET, folder).glob("*.parquet"))
+    partitions = [buckets[k] for k in sorted(buckets)]
+    parquet_files = [f for p in [*partitions, folder] for f in sorted(p.glob("*.parquet"))]
+    files = parquet_files + quarantine
+    rows_read = pl.scan_parquet(files).select(pl.len()).collect().item() if files else 0
+    return Staged(folder, partitions, quarantine, rows_read, sources)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """Pass 2's output for one partition: journeys (no censoring/split yet) and counts."""
+
+    path: Path
+    rows_valid: int
+    duplicates_dropped: int
+    dropped_by_config: int
+    dropped_after_conversion: int
+    conversions_without_journey: int
+    users: int
+    data_start: datetime | None
+    data_end: datetime | None
+
+
+def build_partition(partition: Path | None, config: Config, out: Path) -> PartitionResult:
+    """Pass 2: one partition's valid rows -> journeys written to `out` (None: no rows)."""
+    if partition is None:
+        rows = pl.DataFrame(schema=staged_schema(config))
+    else:
+        rows = pl.read_parquet(sorted(partition.glob("*.parquet")))
+    clean = clean_events(rows.drop(REASON), config.data)
+    built = build_journeys(sort_events(clean.events, config.data.features), config)
+    built.journeys.write_parquet(out)
+    return PartitionResult(
+        path=out,
+        rows_valid=clean.rows_valid,
+        duplicates_dropped=clean.duplicates_dropped,
+        dropped_by_config=clean.dropped_by_config + built.dropped_after_conversion,
+        dropped_after_conversion=built.dropped_after_conversion,
+        conversions_without_journey=built.orphan_conversions,
+        users=clean.events.get_column("user_id").n_unique(),
+        data_start=clean.events.get_column(TS).min(),
+        data_end=clean.data_end,
+    )
+
+
+def staged_schema(config: Config) -> dict[str, pl.DataType]:
+    text = [*REQUIRED, *config.data.features]
+    return {
+        **dict.fromkeys(text, pl.String()),
+        TS: UTC_US,
+        SOURCE: pl.String(),
+        ROW: pl.Int64(),
+        REASON: pl.String(),
+    }
+
+
+def censored_expr(data_end: datetime | None, max_gap: timedelta) -> pl.Expr:
+    """Unconverted and last seen within `max_gap` of the data's end: the label is not known."""
+    if data_end is None:
+        return pl.lit(False)
+    return (pl.col("label") == 0) & (pl.lit(data_end) - pl.col("end_time") <= max_gap)
+
+
+def split_expr(ends: pl.Series, fractions: tuple[float, float, float]) -> pl.Expr:
     """Split by journey end time: the earliest ends train, the latest test; censored -> none.
 
-    Cuts are placed at end-time values, so journeys ending at the same instant share a
-    split and every train journey ends strictly before every val journey (val before test).
+    `ends` are the end times of uncensored journeys. Cuts are placed at end-time values,
+    so journeys ending at the same instant share a split and every train journey ends
+    strictly before every val journey (and val before test).
     """
-    ends = journeys.filter(~pl.col("censored")).get_column("end_time").sort()
+    ends = ends.sort()
     n = ends.len()
-    split = pl.lit(NO_SPLIT)
-    if n:
-        val_cut = ends[min(int(n * fractions[0]), n - 1)]
-        test_cut = ends[min(int(n * (fractions[0] + fractions[1])), n - 1)]
-        if fractions[2] == 0:
-            test_cut = None
-        if fractions[1] == 0:
-            val_cut = test_cut
-        split = (
-            pl.when(pl.col("censored"))
-            .then(pl.lit(NO_SPLIT))
-            .when(pl.lit(val_cut is None) | (pl.col("end_time") < val_cut))
-            .then(pl.lit("train"))
-            .when(pl.lit(test_cut is None) | (pl.col("end_time") < test_cut))
-            .then(pl.lit("val"))
-            .otherwise(pl.lit("test"))
-        )
-    return journeys.with_columns(split.alias("split"))
+    if n == 0:
+        return pl.lit(NO_SPLIT)
+    val_cut = ends[min(int(n * fractions[0]), n - 1)]
+    test_cut = ends[min(int(n * (fractions[0] + fractions[1])), n - 1)]
+    if fractions[2] == 0:
+        test_cut = None
+    if fractions[1] == 0:
+        val_cut = test_cut
+    return (
+        pl.when(pl.col("censored"))
+        .then(pl.lit(NO_SPLIT))
+        .when(pl.lit(val_cut is None) | (pl.col("end_time") < val_cut))
+        .then(pl.lit("train"))
+        .when(pl.lit(test_cut is None) | (pl.col("end_time") < test_cut))
+        .then(pl.lit("val"))
+        .otherwise(pl.lit("test"))
+    )
 
 
-def build_vocabularies(journeys: pl.DataFrame, config: Config) -> Vocabularies:
+def count_tokens(journeys: pl.LazyFrame, columns: list[str]) -> dict[str, pl.DataFrame]:
+    """Token counts per sequence column (`token`, `count`)."""
+    return {
+        name: journeys.select(pl.col(name).explode().alias("token"))
+        .group_by("token")
+        .len(name="count")
+        .collect(engine="streaming")
+        for name in columns
+    }
+
+
+def build_vocabularies(journeys: pl.LazyFrame, config: Config) -> Vocabularies:
     """Token vocabularies from the train split's sequences only (nothing from val/test)."""
     train = journeys.filter(pl.col("split") == "train")
-    by_column: dict[str, Vocabulary] = {}
-    for name in ["event_type", *config.data.features]:
-        counts = (
-            train.select(pl.col(name).explode().alias("token")).group_by("token").len(name="count")
-        )
-        by_column[name] = Vocabulary.from_counts(counts, config.vocab.min_count)
+    counts = count_tokens(train, ["event_type", *config.data.features])
+    by_column = {
+        name: Vocabulary.from_counts(table, config.vocab.min_count)
+        for name, table in counts.items()
+    }
     return Vocabularies(by_column=by_column, min_count=config.vocab.min_count)
 
 
 @dataclass(frozen=True)
 class IngestResult:
-    events: Events
-    journeys: pl.DataFrame
-    vocabularies: Vocabularies
     report: dict[str, Any]
+    journeys_folder: Path
+    quarantine_folder: Path
+    vocabularies: Vocabularies = field(repr=False)
+
+    @property
+    def journeys(self) -> pl.DataFrame:
+        return read_journeys(self.journeys_folder)
+
+    @property
+    def quarantine(self) -> pl.DataFrame:
+        return pl.read_parquet(self.quarantine_folder / QUARANTINE_FILE)
 
 
-def make_report(events: Events, built: Sessionised, journeys: pl.DataFrame) -> dict:
-    quarantined = events.quarantined
-    quarantined_total = sum(quarantined.values())
-    rows_valid = events.valid.height - built.dropped_after_conversion
-    dropped_by_config = events.dropped_by_config + built.dropped_after_conversion
+def finish(
+    config: Config,
+    staged: Staged,
+    parts: list[PartitionResult],
+    journeys_folder: Path,
+    quarantine_folder: Path,
+) -> IngestResult:
+    """Pass 3: censoring, split and vocabularies from global facts; write everything."""
+    data_end = max((p.data_end for p in parts if p.data_end), default=None)
+    censored = censored_expr(data_end, config.journey.max_gap_delta)
+    staged_journeys = pl.scan_parquet([p.path for p in parts]).with_columns(
+        censored.alias("censored")
+    )
+    ends = staged_journeys.filter(~pl.col("censored")).select("end_time").collect().to_series()
+    split = split_expr(ends, config.split.fractions)
+    labelled = staged_journeys.with_columns(split.alias("split"))
+    vocabularies = build_vocabularies(labelled, config)
+    summary = (
+        labelled.group_by("split")
+        .agg(
+            pl.len().alias("journeys"),
+            pl.col("label").sum().alias("converted"),
+            pl.col("censored").sum().alias("censored"),
+            pl.col("n_events_total").sum().alias("events"),
+            pl.col("n_events").sum().alias("kept"),
+        )
+        .collect()
+    )
+    report = make_report(staged, parts, summary, data_end)
+
+    columns = [*parts_columns(config)]
+    with atomic_dir(quarantine_folder) as folder:
+        schema = staged_schema(config)
+        quarantine = (
+            pl.scan_parquet(staged.quarantine) if staged.quarantine else pl.LazyFrame(schema=schema)
+        )
+        quarantine.select(*[name for name in schema if name != TS]).sink_parquet(
+            folder / QUARANTINE_FILE
+        )
+    with atomic_dir(journeys_folder) as folder:
+        for index, part in enumerate(parts):
+            pl.scan_parquet(part.path).with_columns(censored.alias("censored")).with_columns(
+                split.alias("split")
+            ).select(columns).sink_parquet(folder / PART_FILE.format(index))
+        vocabularies.save(folder)
+        write_json(report, folder / REPORT_FILE)
+    return IngestResult(report, journeys_folder, quarantine_folder, vocabularies)
+
+
+def parts_columns(config: Config) -> list[str]:
+    return [
+        "journey_id", "user_id", "start_time", "end_time", "n_events", "n_events_total",
+        "label", "censored", "split", "event_type", "event_time", *config.data.features,
+    ]  # fmt: skip
+
+
+def make_report(
+    staged: Staged, parts: list[PartitionResult], summary: pl.DataFrame, data_end: datetime | None
+) -> dict[str, Any]:
+    """The ingest report; checks the row-accounting invariant before anything is written."""
+    quarantined = dict.fromkeys(REASONS, 0)
+    if staged.quarantine:
+        counts = pl.scan_parquet(staged.quarantine).group_by(REASON).len().collect()
+        for reason, count in counts.iter_rows():
+            quarantined[reason] = count
+    totals = {name: sum(getattr(p, name) for p in parts) for name in (
+        "rows_valid", "duplicates_dropped", "dropped_by_config", "dropped_after_conversion",
+        "conversions_without_journey", "users",
+    )}  # fmt: skip
     by_split = dict.fromkeys([*SPLITS, NO_SPLIT], 0)
-    for split, count in journeys.group_by("split").len().iter_rows():
-        by_split[split] = count
+    for row in summary.iter_rows(named=True):
+        by_split[row["split"]] = row["journeys"]
+    rows_valid = totals["rows_valid"] - totals["duplicates_dropped"] - totals["dropped_by_config"]
     report = {
-        "rows_read": events.rows_read,
+        "rows_read": staged.rows_read,
         "rows_valid": rows_valid,
         "quarantined": quarantined,
-        "quarantined_total": quarantined_total,
-        "duplicates_dropped": events.duplicates_dropped,
-        "dropped_by_config": dropped_by_config,
-        "dropped_after_conversion": built.dropped_after_conversion,
-        "journeys": journeys.height,
-        "journeys_converted": int(journeys.get_column("label").sum()),
-        "journeys_censored": int(journeys.get_column("censored").sum()),
+        "quarantined_total": sum(quarantined.values()),
+        "duplicates_dropped": totals["duplicates_dropped"],
+        "dropped_by_config": totals["dropped_by_config"],
+        "dropped_after_conversion": totals["dropped_after_conversion"],
+        "journeys": int(summary.get_column("journeys").sum()),
+        "journeys_converted": int(summary.get_column("converted").sum()),
+        "journeys_censored": int(summary.get_column("censored").sum()),
         "journeys_by_split": by_split,
-        "conversions_without_journey": built.orphan_conversions,
-        "events_in_journeys": int(journeys.get_column("n_events_total").sum()),
-        "events_kept": int(journeys.get_column("n_events").sum()),
-        "users": events.valid.get_column("user_id").n_unique(),
-        "data_start": events.valid.get_column(TS).min(),
-        "data_end": events.data_end,
-        "sources": events.sources,
+        "conversions_without_journey": totals["conversions_without_journey"],
+        "events_in_journeys": int(summary.get_column("events").sum()),
+        "events_kept": int(summary.get_column("kept").sum()),
+        "users": totals["users"],
+        "data_start": min((p.data_start for p in parts if p.data_start), default=None),
+        "data_end": data_end,
+        "partitions": len(parts),
+        "sources": staged.sources,
     }
-    accounted = rows_valid + quarantined_total + events.duplicates_dropped
-    if events.rows_read != accounted + dropped_by_config:
+    accounted = (
+        report["rows_valid"]
+        + report["quarantined_total"]
+        + report["duplicates_dropped"]
+        + report["dropped_by_config"]
+    )
+    if report["rows_read"] != accounted:
         raise AssertionError(f"row accounting broken: {report}")  # a bug, never bad input
-    return report
+    return json.loads(json.dumps(report, default=str))
 
 
-def run_ingest(config: Config, raw: str | Path | None = None) -> IngestResult:
-    """Everything but writing: read, validate, sessionise, label, split, build vocabularies."""
-    events = read_events(raw or config.paths.raw, config.data)
-    ordered = sort_events(events.valid, config.data.features)
-    built = build_journeys(ordered, config, events.data_end)
-    journeys = assign_split(built.journeys, config.split.fractions)
-    vocabularies = build_vocabularies(journeys, config)
-    report = make_report(events, built, journeys)
-    return IngestResult(events, journeys, vocabularies, report)
+def run_ingest(
+    config: Config,
+    raw: str | Path | None = None,
+    journeys_folder: str | Path | None = None,
+    quarantine_folder: str | Path | None = None,
+) -> IngestResult:
+    """`journeys ingest` as a function: all three passes, outputs written atomically."""
+    journeys_folder = Path(journeys_folder or config.paths.journeys)
+    quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
+    journeys_folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".ingest-", dir=journeys_folder.parent) as scratch:
+        scratch = Path(scratch)
+        staged = stage(config, scratch / "staged", raw)
+        built = scratch / "built"
+        built.mkdir()
+        parts = [
+            build_partition(partition, config, built / PART_FILE.format(i))
+            for i, partition in enumerate(staged.partitions or [None])
+        ]
+        return finish(config, staged, parts, journeys_folder, quarantine_folder)
 
 
 def ingest(config: Config) -> dict[str, Any]:
-    """`journeys ingest`: run and write journeys, vocabularies, report and quarantine."""
-    result = run_ingest(config)
-    with atomic_dir(config.paths.quarantine) as folder:
-        result.events.quarantine.write_parquet(folder / QUARANTINE_FILE)
-    with atomic_dir(config.paths.journeys) as folder:
-        result.journeys.write_parquet(folder / JOURNEYS_FILE)
-        result.vocabularies.save(folder)
-        write_json(result.report, folder / REPORT_FILE)
-    return result.report
+    """`journeys ingest`: returns the report (also written beside the journeys)."""
+    return run_ingest(config).report
 
 
 def print_report(report: dict[str, Any]) -> None:

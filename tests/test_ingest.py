@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.ingest import JOURNEYS_FILE, REPORT_FILE, ingest, run_ingest
+from journeys.ingest import REPORT_FILE, ingest, read_journeys, run_ingest
 from journeys.vocab import Vocabularies
 
 EVENTS = ["search", "page_view", "click", "add_to_cart", "checkout", "purchase"]
@@ -110,9 +110,7 @@ def test_dirty_rows_are_quarantined_by_reason_and_accounted(tmp_path: Path) -> N
     assert bad["user_id"] == "u002"
     assert bad["row_number"] == clean.height + 4
     assert bad["source_file"].endswith("events.csv")
-    assert json.loads((tmp_path / "journeys" / REPORT_FILE).read_text()) == json.loads(
-        json.dumps(report, default=str)
-    )
+    assert json.loads((tmp_path / "journeys" / REPORT_FILE).read_text()) == report
 
 
 def test_out_of_range_rows_are_quarantined(tmp_path: Path) -> None:
@@ -288,9 +286,7 @@ def test_hand_made_journeys(tmp_path: Path) -> None:
     late = by_events[("search", "page_view")]
     assert late["censored"] and late["split"] == "none"
     assert journeys.height == 5
-    report = json.loads(
-        json.dumps(run_ingest(config_for(tmp_path / "e.csv", tmp_path)).report, default=str)
-    )
+    report = run_ingest(config_for(tmp_path / "e.csv", tmp_path)).report
     assert report["conversions_without_journey"] == 1
     expected_id = f"a-{int(datetime(2026, 1, 1, 10, tzinfo=UTC).timestamp() * 1_000_000)}"
     assert converted["journey_id"] == expected_id
@@ -310,7 +306,7 @@ def test_no_conversion_inside_sequences_and_splits_are_ordered(tmp_path: Path) -
     assert (long.get_column("event_time").list.last() <= long.get_column("end_time")).all()
     assert (journeys.get_column("event_type").list.len() == journeys.get_column("n_events")).all()
     # Censored journeys are exactly the late unconverted ones and carry no split.
-    data_end = result.report["data_end"]
+    data_end = datetime.fromisoformat(result.report["data_end"])
     late = (pl.col("label") == 0) & (pl.lit(data_end) - pl.col("end_time") <= timedelta(days=7))
     assert journeys.filter(late).height == journeys.filter(pl.col("censored")).height > 0
     assert (journeys.filter(pl.col("censored")).get_column("split") == "none").all()
@@ -337,7 +333,7 @@ def test_vocabularies_come_from_train_only(tmp_path: Path) -> None:
     config = config_for(tmp_path / "e.csv", tmp_path)
     ingest(config)
     vocabs = Vocabularies.load(tmp_path / "journeys")
-    journeys = pl.read_parquet(tmp_path / "journeys" / JOURNEYS_FILE)
+    journeys = read_journeys(tmp_path / "journeys")
     train_tokens = set(
         journeys.filter(pl.col("split") == "train").get_column("event_type").explode()
     )
@@ -467,13 +463,23 @@ def test_ingest_command_writes_outputs_and_keeps_previous_on_failure(tmp_path: P
         "--set", "vocab.min_count=1",
     ]  # fmt: skip
     assert main(["ingest", "--set", f"paths.raw={tmp_path / 'e.csv'}", *base]) == 0
-    before = (tmp_path / "j" / JOURNEYS_FILE).read_bytes()
-    assert {p.name for p in (tmp_path / "j").iterdir()} == {
-        JOURNEYS_FILE,
-        REPORT_FILE,
-        "vocab.json",
-    }
+    names = {p.name for p in (tmp_path / "j").iterdir()}
+    assert {REPORT_FILE, "vocab.json", "part-00000.parquet"} <= names
+    before = {name: (tmp_path / "j" / name).read_bytes() for name in names}
     # A failing run leaves the previous complete output in place and no temporary files.
     assert main(["ingest", "--set", f"paths.raw={tmp_path / 'missing.csv'}", *base]) == 2
-    assert (tmp_path / "j" / JOURNEYS_FILE).read_bytes() == before
+    assert {name: (tmp_path / "j" / name).read_bytes() for name in names} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_partitioned_ingest_equals_single_partition(tmp_path: Path) -> None:
+    clean_log(n_users=120, seed=4).write_csv(tmp_path / "e.csv")
+    single = run_ingest(config_for(tmp_path / "e.csv", tmp_path / "one", "ingest.partitions=1"))
+    many = run_ingest(config_for(tmp_path / "e.csv", tmp_path / "many", "ingest.partitions=7"))
+    assert many.report["partitions"] == 7
+    assert single.journeys.sort("journey_id").equals(many.journeys.sort("journey_id"))
+    assert single.vocabularies == many.vocabularies
+    drop = ("partitions", "sources")
+    assert {k: v for k, v in single.report.items() if k not in drop} == {
+        k: v for k, v in many.report.items() if k not in drop
+    }
