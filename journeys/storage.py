@@ -19,6 +19,12 @@ from typing import Any
 import polars as pl
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -36,6 +42,8 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    # mkstemp creates 0600 files; give the output the permissions a plain open() would.
+    os.chmod(tmp, 0o666 & ~_umask())
     try:
         yield tmp
         with open(tmp, "rb+") as handle:
@@ -67,6 +75,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    os.chmod(staging, 0o777 & ~_umask())
     try:
         yield staging
         _fsync_dir(staging)
