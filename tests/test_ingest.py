@@ -483,3 +483,31 @@ def test_partitioned_ingest_equals_single_partition(tmp_path: Path) -> None:
     assert {k: v for k, v in single.report.items() if k not in drop} == {
         k: v for k, v in many.report.items() if k not in drop
     }
+
+
+# --- with the simulator's injected dirt ------------------------------------------------------
+
+
+def test_quarantine_matches_the_simulators_injected_dirt(tmp_path: Path) -> None:
+    from journeys.simulate import simulate
+
+    sim = simulate(tmp_path / "raw", users=400, seed=9, dirty_rate=0.05, shuffle=True, n_files=3)
+    report = run_ingest(config_for(tmp_path / "raw", tmp_path)).report
+    assert_accounting(report)
+    assert report["rows_read"] == sim.n_events
+    for reason in ("missing_user_id", "missing_event_type", "bad_timestamp"):
+        assert report["quarantined"][reason] == sim.dirty[reason] > 0, reason
+    assert report["duplicates_dropped"] == sim.dirty["duplicates"] > 0
+    assert report["journeys"] == sim.n_journeys
+
+
+def test_simulated_log_gives_same_journeys_shuffled_split_and_dirty(tmp_path: Path) -> None:
+    from journeys.simulate import simulate
+
+    simulate(tmp_path / "clean", users=300, seed=5)
+    simulate(tmp_path / "messy", users=300, seed=5, dirty_rate=0.03, shuffle=True, n_files=4)
+    clean = journeys_of(tmp_path / "clean", tmp_path / "a").sort("journey_id")
+    messy = journeys_of(tmp_path / "messy", tmp_path / "b").sort("journey_id")
+    truth = pl.read_parquet(tmp_path / "clean" / "_truth" / "journeys.parquet")
+    assert clean.equals(messy)
+    assert set(clean.get_column("journey_id")) == set(truth.get_column("journey_id"))
