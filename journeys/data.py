@@ -1,0 +1,507 @@
+"""Journeys Parquet -> tensors -> padded batches for `journeys.model.JourneyTransformer`.
+
+- `encode_journeys` turns a journeys frame into flat int tensors (all events back to back)
+  plus offsets, with Polars expressions only: no Python loop over journeys or events.
+- `JourneyDataset` yields journey indices; `JourneyCollator` pads a batch of them to the
+  batch's longest journey (right padding, id 0) in a few vectorised gathers.
+- `LengthGroupedBatchSampler` sorts journeys by length inside large random buckets so that
+  batches hold journeys of similar length and little compute goes to padding.
+- `JourneyDataModule` serves train/val/test (censored journeys excluded) and scoring loaders.
+
+Distributed training: the length-grouped batch sampler does not shard by itself. It groups
+whatever index sampler it wraps, and under DDP that is a `DistributedSampler`: Lightning
+injects one automatically (its default `use_distributed_sampler=True` re-instantiates this
+`BatchSampler` subclass with `sampler=DistributedSampler(...)`, shuffling when the original
+sampler was a `RandomSampler`, seeded by `seed_everything`'s PL_GLOBAL_SEED); with
+`use_distributed_sampler=False` or without Lightning, pass one as `sampler` yourself. With
+`group_by_length=False` the loader uses a plain `BatchSampler`, which Lightning handles the
+same way. `DistributedSampler` pads every rank to the same number of journeys (repeating at
+most world_size - 1), so every rank runs the same number of batches and DDP never waits on
+a rank that ran out; evaluation metrics under DDP therefore count those few twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence, Sized
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import lightning as L
+import numpy as np
+import polars as pl
+import torch
+from torch import Tensor
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+from journeys.errors import InputError
+from journeys.vocab import PAD_ID, Vocabularies
+
+if TYPE_CHECKING:
+    from journeys.config import Config
+
+SPLITS = ("train", "val", "test")
+
+# Time since the previous event -> bucket 1 + floor(log_GROWTH(1 + gap / UNIT)), so bucket 1
+# is [0, UNIT) (and the first event), bucket 2 [UNIT, 3 UNIT), bucket 3 [3 UNIT, 7 UNIT), ...
+# With 1 s and doubling, 32 buckets reach past a year; a 7-day gap lands in bucket 20.
+TIME_BUCKET_UNIT_SECONDS = 1.0
+TIME_BUCKET_GROWTH = 2.0
+# log() of an exact power of the growth may come out a hair low; this keeps it in its bucket.
+_LOG_EPSILON = 1e-9
+
+# A length-grouping bucket holds this many batches: large enough that sorted batches are
+# nearly uniform in length, small enough that batch composition still varies by epoch.
+DEFAULT_BUCKET_BATCHES = 50
+
+
+def gap_seconds_expr(event_time: pl.Expr) -> pl.Expr:
+    """List of event timestamps -> list of seconds since the previous event (0 for the first)."""
+    return event_time.list.eval(pl.element().diff().dt.total_microseconds().fill_null(0) / 1e6)
+
+
+def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
+    """Seconds since the previous event -> log-scaled bucket id in [1, n_time_buckets - 1].
+
+    Id 0 is left for padding. Negative gaps (clock skew) count as 0.
+    """
+    scaled = 1.0 + seconds.cast(pl.Float64).clip(lower_bound=0.0) / TIME_BUCKET_UNIT_SECONDS
+    bucket = 1 + (scaled.log(TIME_BUCKET_GROWTH) + _LOG_EPSILON).floor()
+    return bucket.clip(1, max(1, n_time_buckets - 1)).cast(pl.Int64)
+
+
+@dataclass(frozen=True)
+class EncodedJourneys:
+    """All journeys' events back to back; journey i is events `offsets[i]:offsets[i + 1]`.
+
+    Events are stored as int32 (half the memory of int64); batches come out as int64.
+    """
+
+    tokens: Tensor  # [N] event-type ids
+    features: Tensor  # [F, N] feature ids, features in vocabulary order
+    time_buckets: Tensor  # [N] time-since-previous-event buckets
+    offsets: Tensor  # [n + 1] int64
+    labels: Tensor  # [n] float32 (0 where the frame has no label)
+    journey_ids: pl.Series | None  # [n] kept aside for joining scores back
+    feature_names: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def lengths(self) -> Tensor:
+        """Events per journey [n], int64."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def n_events(self) -> int:
+        return self.tokens.numel()
+
+
+def encode_journeys(
+    frame: pl.DataFrame, vocabs: Vocabularies, n_time_buckets: int, max_len: int | None = None
+) -> EncodedJourneys:
+    """Journeys frame (the ingest schema) -> `EncodedJourneys`, in the frame's row order.
+
+    Unknown tokens and missing values map to id 1. With `max_len`, only the most recent
+    `max_len` events of a journey are kept (as ingest does); time gaps are measured within
+    the kept events, so the first kept event always gets bucket 1.
+    """
+    features = vocabs.features
+    sequences = ["event_type", *features]
+    missing = [c for c in ["event_time", *sequences] if c not in frame.columns]
+    if missing:
+        raise InputError(f"journeys frame lacks column(s) {missing}")
+
+    def kept(column: str) -> pl.Expr:
+        return pl.col(column).list.tail(max_len) if max_len else pl.col(column)
+
+    # Renamed so that a feature cannot collide with our own column names.
+    lists = frame.select(
+        *(kept(c).alias(f"s{i}") for i, c in enumerate(sequences)),
+        gap_seconds_expr(kept("event_time")).alias("gap"),
+    )
+    list_columns = lists.columns
+    lengths = lists.select(pl.col(c).list.len().fill_null(0).cast(pl.Int64) for c in list_columns)
+    ragged = lengths.filter(
+        pl.any_horizontal(pl.col(c) != pl.col("s0") for c in list_columns[1:])
+    ).height
+    if ragged:
+        raise InputError(
+            f"{ragged} journey(s) have event_time or feature lists of another length than "
+            "event_type"
+        )
+
+    flat = lists.explode(list_columns, keep_nulls=False, empty_as_null=False).select(
+        vocabs.event_type.ids(pl.col("s0")).cast(pl.Int32).alias("token"),
+        *(
+            vocabs.by_column[name].ids(pl.col(f"s{i + 1}")).cast(pl.Int32).alias(f"f{i}")
+            for i, name in enumerate(features)
+        ),
+        time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
+    )
+    n_events = flat.height
+    if features:
+        # Fortran order [N, F] transposed is a C-contiguous [F, N]: no copy.
+        columns = flat.select(f"f{i}" for i in range(len(features)))
+        feature_tensor = torch.from_numpy(np.ascontiguousarray(columns.to_numpy(writable=True).T))
+    else:
+        feature_tensor = torch.zeros(0, n_events, dtype=torch.int32)
+
+    journey_lengths = _to_torch(lengths.get_column("s0"))
+    offsets = torch.zeros(len(journey_lengths) + 1, dtype=torch.int64)
+    torch.cumsum(journey_lengths, dim=0, out=offsets[1:])
+
+    if "label" in frame.columns:
+        label_tensor = _to_torch(frame.get_column("label").cast(pl.Float32).fill_null(0.0))
+    else:
+        label_tensor = torch.zeros(frame.height, dtype=torch.float32)
+
+    return EncodedJourneys(
+        tokens=_to_torch(flat.get_column("token")),
+        features=feature_tensor,
+        time_buckets=_to_torch(flat.get_column("time_bucket")),
+        offsets=offsets,
+        labels=label_tensor,
+        journey_ids=frame.get_column("journey_id") if "journey_id" in frame.columns else None,
+        feature_names=tuple(features),
+    )
+
+
+def _to_torch(series: pl.Series) -> Tensor:
+    # Polars hands out read-only buffers; torch wants to own writable memory.
+    return torch.from_numpy(series.to_numpy(writable=True))
+
+
+class JourneyBatch(NamedTuple):
+    """A padded batch; a NamedTuple so Lightning and `pin_memory` move it as a whole."""
+
+    tokens: Tensor  # [B, L] int64
+    features: Tensor  # [B, F, L] int64
+    time_buckets: Tensor  # [B, L] int64
+    mask: Tensor  # [B, L] bool, True on real events (right padding)
+    labels: Tensor  # [B] float32
+    index: Tensor  # [B] int64, positions in the EncodedJourneys (e.g. for journey ids)
+
+
+class JourneyDataset(Dataset[int]):
+    """Yields journey indices; `JourneyCollator` does the gathering for a whole batch."""
+
+    def __init__(self, encoded: EncodedJourneys) -> None:
+        self.encoded = encoded
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def __getitem__(self, index: int) -> int:
+        return int(index)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[int]:
+        # The DataLoader hands a whole batch of indices over at once: no per-item calls.
+        return list(indices)
+
+
+class JourneyCollator:
+    """Journey indices -> `JourneyBatch` padded to the batch's longest journey."""
+
+    def __init__(self, encoded: EncodedJourneys) -> None:
+        self.encoded = encoded
+
+    def __call__(self, indices: Sequence[int]) -> JourneyBatch:
+        encoded = self.encoded
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        starts = encoded.offsets[index]
+        lengths = encoded.offsets[index + 1] - starts
+        width = max(int(lengths.max()) if len(index) else 0, 1)
+        positions = torch.arange(width)
+        mask = positions[None, :] < lengths[:, None]
+        if encoded.n_events:
+            # Padded slots read event 0 and are zeroed below: one gather per tensor.
+            flat = torch.where(mask, starts[:, None] + positions[None, :], 0)
+            tokens = encoded.tokens[flat].long().masked_fill_(~mask, PAD_ID)
+            time_buckets = encoded.time_buckets[flat].long().masked_fill_(~mask, PAD_ID)
+            features = encoded.features[:, flat].long().permute(1, 0, 2)
+            features = features.masked_fill(~mask[:, None, :], PAD_ID).contiguous()
+        else:
+            tokens = torch.zeros(mask.shape, dtype=torch.int64)
+            time_buckets = torch.zeros(mask.shape, dtype=torch.int64)
+            features = torch.zeros(len(index), encoded.features.size(0), width, dtype=torch.int64)
+        return JourneyBatch(tokens, features, time_buckets, mask, encoded.labels[index], index)
+
+
+class EpochRandomSampler(RandomSampler):
+    """A random permutation that depends only on (seed, epoch), like `DistributedSampler`.
+
+    A `RandomSampler` subclass so that Lightning sees the loader as shuffled and, under DDP,
+    replaces it with a shuffling `DistributedSampler`.
+    """
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        super().__init__(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
+class LengthGroupedBatchSampler(BatchSampler):
+    """Batches of journeys of similar length, in an order fixed by (seed, epoch).
+
+    The wrapped `sampler`'s index stream is cut into buckets of `bucket_batches` batches;
+    each bucket is sorted by length (longest first) and cut into batches; with `shuffle`
+    the batches of all buckets are then shuffled. Without `shuffle` (evaluation) the whole
+    stream is one bucket, so padding is minimal and the longest batch comes first (a batch
+    that does not fit in memory fails at once).
+
+    Sharding across DDP ranks comes from the wrapped sampler (a `DistributedSampler`), see
+    the module docstring. The epoch is taken from the wrapped sampler when it has one,
+    because Lightning calls `set_epoch` on `batch_sampler.sampler`, not on the batch sampler.
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler[int],
+        batch_size: int,
+        drop_last: bool = False,
+        *,
+        lengths: Tensor,
+        shuffle: bool = True,
+        seed: int = 0,
+        bucket_batches: int = DEFAULT_BUCKET_BATCHES,
+    ) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        if bucket_batches < 1:
+            raise ValueError("bucket_batches must be at least 1")
+        self.lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.bucket_batches = bucket_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+
+    @property
+    def current_epoch(self) -> int:
+        return int(getattr(self.sampler, "epoch", self.epoch))
+
+    def __len__(self) -> int:
+        n = len(self.sampler)  # type: ignore[arg-type]
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.as_tensor(list(self.sampler), dtype=torch.int64)
+        if self.drop_last:
+            # Drop the random tail before sorting, so no particular length is dropped.
+            order = order[: len(order) // self.batch_size * self.batch_size]
+        if not len(order):
+            return
+        lengths = self.lengths[order]
+        if self.shuffle:
+            bucket = torch.arange(len(order)) // (self.batch_size * self.bucket_batches)
+        else:
+            bucket = torch.zeros(len(order), dtype=torch.int64)
+        longest = int(lengths.max())
+        # Sort by bucket, then longest first; stable, so ties keep the sampler's order.
+        key = bucket * (longest + 1) + (longest - lengths)
+        order = order[torch.sort(key, stable=True).indices]
+        batches = order.split(self.batch_size)
+        if self.shuffle:
+            # A different stream from the sampler's (seed + epoch) permutation.
+            generator = torch.Generator().manual_seed(
+                (self.seed + 1) * 1_000_003 + self.current_epoch
+            )
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator)]
+        for batch in batches:
+            yield batch.tolist()
+
+
+def make_dataloader(
+    encoded: EncodedJourneys,
+    batch_size: int,
+    *,
+    shuffle: bool = False,
+    group_by_length: bool = True,
+    seed: int = 0,
+    num_workers: int = 0,
+    drop_last: bool = False,
+    bucket_batches: int = DEFAULT_BUCKET_BATCHES,
+) -> DataLoader:
+    """A DataLoader of `JourneyBatch`es over `encoded`.
+
+    `group_by_length=False` with `shuffle=False` keeps the journeys' order (scoring);
+    otherwise use `batch.index` to map rows back to journeys.
+    """
+    dataset = JourneyDataset(encoded)
+    # RandomSampler refuses an empty dataset; an empty loader needs no shuffling anyway.
+    sampler: Sampler[int] = (
+        EpochRandomSampler(dataset, seed)
+        if shuffle and len(dataset)
+        else SequentialSampler(dataset)
+    )
+    if group_by_length:
+        batch_sampler: BatchSampler = LengthGroupedBatchSampler(
+            sampler,
+            batch_size,
+            drop_last,
+            lengths=encoded.lengths,
+            shuffle=shuffle,
+            seed=seed,
+            bucket_batches=bucket_batches,
+        )
+    else:
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=JourneyCollator(encoded),
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+    )
+
+
+def read_journeys(path: str | Path) -> pl.LazyFrame:
+    """Lazy scan of a journeys dataset: every `*.parquet` in the folder, or one file."""
+    path = Path(path)
+    if path.is_dir():
+        if not any(path.glob("*.parquet")):
+            raise InputError(f"no journeys (*.parquet) in {path}: run `journeys ingest` first")
+        return pl.scan_parquet(path / "*.parquet")
+    if not path.exists():
+        raise InputError(f"journeys not found at {path}: run `journeys ingest` first")
+    return pl.scan_parquet(path)
+
+
+class JourneyDataModule(L.LightningDataModule):
+    """Train/val/test loaders from the journeys folder's `split` column; scoring loaders.
+
+    Censored journeys (unknown label, split `none`) are never in train/val/test; they are
+    in `predict_dataloader` and in any frame passed to `dataloader_for`.
+    """
+
+    def __init__(
+        self,
+        journeys_dir: str | Path,
+        vocabs: Vocabularies | None = None,
+        *,
+        n_time_buckets: int = 32,
+        max_len: int | None = None,
+        batch_size: int = 256,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        group_by_length: bool = True,
+        bucket_batches: int = DEFAULT_BUCKET_BATCHES,
+        predict_frame: pl.DataFrame | None = None,
+    ) -> None:
+        super().__init__()
+        self.journeys_dir = Path(journeys_dir)
+        self._vocabs = vocabs
+        self.n_time_buckets = n_time_buckets
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.group_by_length = group_by_length
+        self.bucket_batches = bucket_batches
+        self.predict_frame = predict_frame
+        self.splits: dict[str, EncodedJourneys] = {}
+
+    @classmethod
+    def from_config(cls, config: Config, vocabs: Vocabularies | None = None) -> JourneyDataModule:
+        return cls(
+            config.paths.journeys,
+            vocabs,
+            n_time_buckets=config.model.time_buckets,
+            max_len=config.journey.max_events,
+            batch_size=config.train.batch_size,
+            num_workers=config.train.num_workers,
+            seed=config.train.seed,
+        )
+
+    @property
+    def vocabs(self) -> Vocabularies:
+        if self._vocabs is None:
+            self._vocabs = Vocabularies.load(self.journeys_dir)
+        return self._vocabs
+
+    def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
+        return encode_journeys(frame, self.vocabs, self.n_time_buckets, self.max_len)
+
+    def _columns(self) -> list[str]:
+        return ["journey_id", "label", "event_type", "event_time", *self.vocabs.features]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        frame = (
+            read_journeys(self.journeys_dir)
+            .filter(~pl.col("censored") & pl.col("split").is_in(SPLITS))
+            .select("split", *self._columns())
+            .collect()
+        )
+        for split in SPLITS:
+            self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        if not self.splits:
+            self.setup()
+        return make_dataloader(
+            self.splits[split],
+            self.batch_size if shuffle else self.eval_batch_size,
+            shuffle=shuffle,
+            group_by_length=self.group_by_length,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            bucket_batches=self.bucket_batches,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.splits:
+            self.setup()
+        if not len(self.splits["train"]):
+            raise InputError(f"no uncensored train journeys in {self.journeys_dir}")
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        """`predict_frame` if given, else every journey in the folder (censored included)."""
+        frame = self.predict_frame
+        if frame is None:
+            frame = read_journeys(self.journeys_dir).select(self._columns()).collect()
+        return self.dataloader_for(frame)
+
+    def dataloader_for(self, frame: pl.DataFrame, batch_size: int | None = None) -> DataLoader:
+        """Batches of an arbitrary journeys frame, in the frame's order (for scoring).
+
+        `loader.dataset.encoded.journey_ids[batch.index]` names each batch row.
+        """
+        return make_dataloader(
+            self.encode(frame),
+            batch_size or self.eval_batch_size,
+            shuffle=False,
+            group_by_length=False,
+            num_workers=self.num_workers,
+        )

@@ -1,0 +1,407 @@
+"""The conversion transformer: a journey of events in, one conversion logit out.
+
+Everything the model does is in this file, in the spirit of nanoGPT's `model.py`:
+
+- each event is the sum of embeddings of its event type, each categorical feature and the
+  time since the previous event (bucketed in `journeys.data`); id 0 is padding everywhere;
+- a positional encoding (fixed sinusoid, learned table, or none) is added;
+- `n_layers` transformer blocks (self-attention + GELU feed-forward, pre- or post-norm);
+- the journey is pooled (a prepended CLS token, the mean of real events, or the last real
+  event) and a linear head gives one logit.
+
+With `causal=True` every position sees only itself and earlier events, the head runs at
+every position, and one pass gives the logit after each event (in-flight scoring); the
+journey logit is the one at its last event. Causal models pool at the last event whatever
+`pooling` says, and have no CLS token.
+
+Sequences are right-padded: real events first, `mask` True on them.
+
+Attention for attribution: `forward(..., attention="pooled" | "rollout")` returns one weight
+per event (zero on padding, summing to 1). The default fast path uses
+`F.scaled_dot_product_attention`, which returns no weights, so weights are recomputed
+explicitly only where asked: for "pooled" just the pooled query row(s) of the last layer,
+for "rollout" the full maps of every layer (Abnar & Zuidema 2020).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from journeys.config import Model
+    from journeys.vocab import Vocabularies
+
+Positional = Literal["sinusoidal", "learned", "none"]
+Norm = Literal["pre", "post"]
+Pooling = Literal["cls", "mean", "last"]
+AttentionMode = Literal["pooled", "rollout"]
+
+INIT_STD = 0.02  # nanoGPT / GPT-2 initialisation of linear layers
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of `JourneyTransformer`; plain values so it round-trips through JSON."""
+
+    vocab_size: int
+    feature_vocab_sizes: tuple[int, ...] = ()
+    n_time_buckets: int = 32
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    dropout: float = 0.1
+    positional: Positional = "sinusoidal"
+    norm: Norm = "pre"
+    pooling: Pooling = "cls"
+    causal: bool = False
+    max_len: int = 64
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError("d_model must be divisible by n_heads")
+        for name, allowed in (
+            ("positional", get_args(Positional)),
+            ("norm", get_args(Norm)),
+            ("pooling", get_args(Pooling)),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, not {getattr(self, name)!r}")
+        object.__setattr__(self, "feature_vocab_sizes", tuple(self.feature_vocab_sizes))
+
+    @property
+    def uses_cls(self) -> bool:
+        return self.pooling == "cls" and not self.causal
+
+    @classmethod
+    def from_config(cls, model: Model, vocabs: Vocabularies, max_len: int) -> ModelConfig:
+        """Settings from the `model` config section, sizes from the vocabularies.
+
+        `max_len` is the longest journey the model will see (`journey.max_events`).
+        """
+        return cls(
+            vocab_size=len(vocabs.event_type),
+            feature_vocab_sizes=tuple(len(vocabs.by_column[name]) for name in vocabs.features),
+            n_time_buckets=model.time_buckets,
+            d_model=model.d_model,
+            n_heads=model.n_heads,
+            n_layers=model.n_layers,
+            dropout=model.dropout,
+            positional=model.positional,
+            norm=model.norm,
+            pooling=model.pooling,
+            causal=model.causal,
+            max_len=max_len,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["feature_vocab_sizes"] = list(self.feature_vocab_sizes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return cls(**{**data, "feature_vocab_sizes": tuple(data.get("feature_vocab_sizes", ()))})
+
+
+class ModelOutput(NamedTuple):
+    """`logits` [B]; `prefix_logits` [B, L] after each event (causal models only; values at
+    padded positions are finite but meaningless); `attention` [B, L] when asked for."""
+
+    logits: Tensor
+    prefix_logits: Tensor | None = None
+    attention: Tensor | None = None
+
+
+def sinusoidal_table(length: int, d_model: int) -> Tensor:
+    """Vaswani et al. (2017): PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(...)."""
+    position = torch.arange(length, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(
+        torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(1e4) / d_model)
+    )
+    table = torch.zeros(length, d_model)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)[:, : d_model // 2]
+    return table
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention; `mask` is bool, True = may attend (SDPA's convention)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self, x: Tensor, mask: Tensor, rows: Tensor | None = None, full: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """x [B, L, D], mask [B, 1, 1 or L, L] -> (output [B, L, D], weights or None).
+
+        `full`: compute the whole [B, H, L, L] weight map explicitly and use it for the output.
+        `rows` [B, R]: besides the fast output, the weights [B, H, R, L] of those query rows.
+        """
+        batch, length, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=2)
+        # [B, L, D] -> [B, H, L, D/H]
+        q, k, v = (t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        dropout_p = self.dropout if self.training else 0.0
+        weights = None
+        if full:
+            weights = _softmax_weights(q, k, mask)
+            y = F.dropout(weights, dropout_p, self.training) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            if rows is not None:
+                index = rows[:, None, :, None]
+                q_rows = q.gather(2, index.expand(-1, q.size(1), -1, q.size(3)))
+                if mask.size(2) > 1:  # causal: each row has its own mask
+                    mask = mask.gather(2, index.expand(-1, 1, -1, mask.size(3)))
+                weights = _softmax_weights(q_rows, k, mask)
+        y = y.transpose(1, 2).reshape(batch, length, d_model)
+        return self.resid_dropout(self.proj(y)), weights
+
+
+def _softmax_weights(q: Tensor, k: Tensor, mask: Tensor) -> Tensor:
+    """softmax(Q K^T / sqrt(d)) with disallowed keys at -inf: the weights SDPA uses."""
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, 4 * config.d_model)
+        self.proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Attention and feed-forward sub-layers, each with a residual and a LayerNorm.
+
+    Pre-norm (LN inside the residual branch) trains stably without warm-up tricks; post-norm
+    (LN after the residual sum) is the original 2017 layout.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pre_norm = config.norm == "pre"
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = SelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.ffn = FeedForward(config)
+
+    def forward(
+        self, x: Tensor, mask: Tensor, rows: Tensor | None = None, full: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        if self.pre_norm:
+            attended, weights = self.attn(self.ln_1(x), mask, rows, full)
+            x = x + attended
+            return x + self.ffn(self.ln_2(x)), weights
+        attended, weights = self.attn(x, mask, rows, full)
+        x = self.ln_1(x + attended)
+        return self.ln_2(x + self.ffn(x)), weights
+
+
+class JourneyTransformer(nn.Module):
+    """Journey -> conversion logit (and, if causal, a logit after every event)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        d_model = config.d_model
+        self.event_embedding = nn.Embedding(config.vocab_size, d_model, padding_idx=0)
+        self.feature_embeddings = nn.ModuleList(
+            nn.Embedding(size, d_model, padding_idx=0) for size in config.feature_vocab_sizes
+        )
+        self.time_embedding = nn.Embedding(config.n_time_buckets, d_model, padding_idx=0)
+        n_positions = config.max_len + int(config.uses_cls)
+        self.position_embedding: nn.Embedding | None = None
+        if config.positional == "learned":
+            self.position_embedding = nn.Embedding(n_positions, d_model)
+        # Not persistent: it is a function of the config, so checkpoints need not carry it.
+        self.register_buffer(
+            "sinusoid",
+            sinusoidal_table(n_positions, d_model) if config.positional == "sinusoidal" else None,
+            persistent=False,
+        )
+        self.cls = nn.Parameter(torch.zeros(d_model)) if config.uses_cls else None
+        self.embedding_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        # Pre-norm leaves the residual stream un-normalised; post-norm blocks end normalised.
+        self.ln_f = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
+        self.head = nn.Linear(d_model, 1)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for name, param in self.named_parameters():
+            if "ln_" in name:
+                continue  # LayerNorm: weight 1, bias 0 (PyTorch's default)
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif "embedding" in name:
+                # Unit scale, as nn.Embedding's default: content embeddings then match the
+                # sinusoid's amplitude (Vaswani et al. instead scale d^-1/2 tables by sqrt(d)).
+                nn.init.normal_(param, std=1.0)
+            elif name.endswith("proj.weight"):
+                # GPT-2: residual branches scaled down so the stream's variance does not
+                # grow with depth.
+                nn.init.normal_(param, std=INIT_STD / math.sqrt(2 * self.config.n_layers))
+            else:  # other weight matrices and the CLS vector
+                nn.init.normal_(param, std=INIT_STD)
+        for embedding in (self.event_embedding, self.time_embedding, *self.feature_embeddings):
+            with torch.no_grad():
+                embedding.weight[0].zero_()
+
+    def forward(
+        self,
+        tokens: Tensor,
+        features: Tensor,
+        time_buckets: Tensor,
+        mask: Tensor,
+        attention: AttentionMode | None = None,
+    ) -> ModelOutput:
+        """tokens, time_buckets [B, L] long; features [B, F, L] long; mask [B, L] bool.
+
+        Right padding is assumed: each journey's real events come first.
+        """
+        if attention not in (None, "pooled", "rollout"):
+            raise ValueError(f"attention must be None, 'pooled' or 'rollout', not {attention!r}")
+        if tokens.size(1) > self.config.max_len:
+            raise ValueError(
+                f"journeys of {tokens.size(1)} events exceed max_len {self.config.max_len}"
+            )
+        mask = mask.bool()
+        lengths = mask.sum(dim=1)
+        x, seq_mask = self._embed(tokens, features, time_buckets, mask)
+        attn_mask = self._attention_mask(seq_mask)
+
+        rows, row_weights = self._pooled_queries(seq_mask, lengths)
+        per_layer: list[Tensor] = []  # head-averaged weights, only when asked for
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            want_rows = rows if attention == "pooled" and i == last else None
+            x, weights = block(x, attn_mask, want_rows, full=attention == "rollout")
+            if weights is not None:
+                per_layer.append(weights.mean(dim=1).float())
+        h = self.ln_f(x)
+
+        last_index = (lengths - 1).clamp(min=0)
+        prefix_logits = None
+        if self.config.causal:
+            prefix_logits = self.head(h).squeeze(-1)
+            logits = prefix_logits.gather(1, last_index[:, None]).squeeze(1)
+        else:
+            logits = self.head(self._pool(h, mask, last_index)).squeeze(-1)
+
+        exported = None
+        if attention == "pooled":
+            exported = (row_weights[..., None] * per_layer[0]).sum(dim=1)
+        elif attention == "rollout":
+            # The pooled query as a weighting of all positions, then its rollout row.
+            query = torch.zeros_like(seq_mask, dtype=row_weights.dtype)
+            query = query.scatter_add(1, rows, row_weights)
+            exported = (query[:, None, :] @ attention_rollout(per_layer)).squeeze(1)
+        if exported is not None:
+            if self.cls is not None:
+                exported = exported[:, 1:]
+            exported = exported * mask
+            exported = exported / exported.sum(dim=1, keepdim=True).clamp(min=1e-12)
+        return ModelOutput(logits, prefix_logits, exported)
+
+    def _embed(
+        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Summed embeddings plus positions [B, L(+1), D], and the mask of that sequence."""
+        x = self.event_embedding(tokens) + self.time_embedding(time_buckets)
+        for i, embedding in enumerate(self.feature_embeddings):
+            x = x + embedding(features[:, i])
+        if self.cls is not None:
+            batch = x.size(0)
+            x = torch.cat([self.cls.expand(batch, 1, -1), x], dim=1)
+            mask = torch.cat([mask.new_ones(batch, 1), mask], dim=1)
+        length = x.size(1)
+        if self.position_embedding is not None:
+            x = x + self.position_embedding.weight[:length]
+        elif self.sinusoid is not None:
+            x = x + self.sinusoid[:length]
+        return self.embedding_dropout(x), mask
+
+    def _attention_mask(self, seq_mask: Tensor) -> Tensor:
+        """Bool mask for SDPA, True = may attend: [B, 1, 1, L], or [B, 1, L, L] if causal."""
+        # Position 0 is real in every non-empty right-padded journey; letting every query
+        # see it keeps an empty journey's softmax finite instead of NaN.
+        keys = seq_mask.clone()
+        keys[:, 0] = True
+        attn_mask = keys[:, None, None, :]
+        if self.config.causal:
+            length = seq_mask.size(1)
+            causal = torch.ones(length, length, dtype=torch.bool, device=seq_mask.device).tril()
+            attn_mask = attn_mask & causal
+        return attn_mask
+
+    def _pool(self, h: Tensor, mask: Tensor, last_index: Tensor) -> Tensor:
+        """[B, L, D] -> [B, D]: the CLS position, the mean of real events, or the last one."""
+        if self.config.pooling == "cls":
+            return h[:, 0]
+        if self.config.pooling == "mean":
+            real = mask[..., None].to(h.dtype)
+            return (h * real).sum(dim=1) / real.sum(dim=1).clamp(min=1)
+        return h.gather(1, last_index[:, None, None].expand(-1, 1, h.size(2))).squeeze(1)
+
+    def _pooled_queries(self, seq_mask: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """The query rows whose attention describes the pooled representation.
+
+        Returns rows [B, R] (positions in the sequence, CLS included) and their weights
+        [B, R] summing to 1: the CLS row, every real row equally (mean pooling), or the last
+        real event's row (last pooling and causal models).
+        """
+        batch = seq_mask.size(0)
+        if self.config.uses_cls:
+            rows = seq_mask.new_zeros(batch, 1, dtype=torch.long)
+            return rows, torch.ones(batch, 1, device=seq_mask.device)
+        if self.config.pooling == "mean" and not self.config.causal:
+            length = seq_mask.size(1)
+            rows = torch.arange(length, device=seq_mask.device).expand(batch, length)
+            real = seq_mask.float()
+            return rows, real / real.sum(dim=1, keepdim=True).clamp(min=1)
+        rows = (lengths - 1).clamp(min=0)[:, None]
+        return rows, torch.ones(batch, 1, device=seq_mask.device)
+
+    @torch.no_grad()
+    def predict_proba(
+        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor
+    ) -> Tensor:
+        """Conversion probability per journey [B] (call `eval()` first to disable dropout)."""
+        return torch.sigmoid(self(tokens, features, time_buckets, mask).logits)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def attention_rollout(per_layer: list[Tensor]) -> Tensor:
+    """Abnar & Zuidema (2020): head-averaged maps [B, L, L] per layer, first layer first.
+
+    Each layer's map gets the identity added for the residual connection, rows are
+    renormalised, and the maps are multiplied through the layers: row i of the result says
+    how much of position i's final representation flows from each input position.
+    """
+    rollout: Tensor | None = None
+    for weights in per_layer:
+        eye = torch.eye(weights.size(-1), device=weights.device, dtype=weights.dtype)
+        layer = weights + eye
+        layer = layer / layer.sum(dim=-1, keepdim=True)
+        rollout = layer if rollout is None else layer @ rollout
+    assert rollout is not None, "the model has at least one layer"
+    return rollout

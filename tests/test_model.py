@@ -1,0 +1,237 @@
+"""JourneyTransformer: learns, ignores padding, sees order, causal prefixes, attention export."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from journeys.config import Model
+from journeys.model import JourneyTransformer, ModelConfig, attention_rollout
+from journeys.vocab import Vocabularies, Vocabulary
+
+VOCAB, FEATURES, BUCKETS, MAX_LEN = 12, (5, 4), 8, 24
+
+
+def tiny(scramble: bool = True, **overrides) -> JourneyTransformer:
+    settings = dict(
+        vocab_size=VOCAB,
+        feature_vocab_sizes=FEATURES,
+        n_time_buckets=BUCKETS,
+        d_model=16,
+        n_heads=2,
+        n_layers=2,
+        dropout=0.0,
+        max_len=MAX_LEN,
+    )
+    settings.update(overrides)
+    torch.manual_seed(0)
+    model = JourneyTransformer(ModelConfig(**settings)).eval()
+    if scramble:
+        # At initialisation the output barely depends on the input (small weights), which
+        # would let "unchanged" tests pass trivially; a rougher random function does not.
+        # Padding rows become non-zero too, so masking alone must hide padding.
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(std=0.3 if param.dim() > 1 else 0.1)
+    return model
+
+
+def batch(lengths: list[int], width: int | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random right-padded journeys: ids >= 2 on real events, 0 on padding."""
+    generator = torch.Generator().manual_seed(seed)
+    width = width or max(lengths)
+    mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+    tokens = torch.randint(2, VOCAB, (len(lengths), width), generator=generator)
+    features = torch.stack(
+        [torch.randint(2, size, (len(lengths), width), generator=generator) for size in FEATURES],
+        dim=1,
+    )
+    time_buckets = torch.randint(1, BUCKETS, (len(lengths), width), generator=generator)
+    return {
+        "tokens": tokens * mask,
+        "features": features * mask[:, None, :],
+        "time_buckets": time_buckets * mask,
+        "mask": mask,
+    }
+
+
+def pad(inputs: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:
+    return {name: F.pad(value, (0, extra)) for name, value in inputs.items()}
+
+
+VARIANTS = [
+    dict(pooling="cls"),
+    dict(pooling="mean"),
+    dict(pooling="last"),
+    dict(causal=True),
+]
+NORMS = ["pre", "post"]
+LENGTHS = [5, 1, 9, 3]
+
+
+def test_tiny_model_overfits_a_tiny_batch() -> None:
+    model = tiny(scramble=False, d_model=32).train()
+    inputs = batch([6, 3, 8, 2, 7, 5, 4, 8] * 2, seed=1)
+    labels = (torch.arange(16) % 2).float()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(120):
+        loss = F.binary_cross_entropy_with_logits(model(**inputs).logits, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.02
+
+
+@pytest.mark.parametrize(("variant", "norm"), list(itertools.product(VARIANTS, NORMS)))
+def test_extra_padding_leaves_outputs_unchanged(variant: dict, norm: str) -> None:
+    model = tiny(norm=norm, **variant)
+    inputs = batch(LENGTHS)
+    padded = pad(inputs, 6)
+    for attention in (None, "pooled", "rollout"):
+        short = model(**inputs, attention=attention)
+        long = model(**padded, attention=attention)
+        torch.testing.assert_close(long.logits, short.logits, atol=1e-5, rtol=1e-5)
+        if attention:
+            torch.testing.assert_close(long.attention[:, : max(LENGTHS)], short.attention)
+            assert long.attention[:, max(LENGTHS) :].abs().sum() == 0
+        if model.config.causal:
+            real = inputs["mask"]
+            torch.testing.assert_close(
+                long.prefix_logits[:, : max(LENGTHS)][real], short.prefix_logits[real]
+            )
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, dict(positional="learned")])
+def test_event_order_changes_the_logits(variant: dict) -> None:
+    model = tiny(**variant)
+    inputs = batch([7, 7, 7])
+    reversed_inputs = {name: value.flip(-1) for name, value in inputs.items()}
+    original = model(**inputs).logits
+    permuted = model(**reversed_inputs).logits
+    assert (original - permuted).abs().min() > 1e-4
+
+
+def test_without_positions_mean_pooling_is_order_blind() -> None:
+    """The control for the test above: it would catch a model that cannot see order."""
+    model = tiny(positional="none", pooling="mean")
+    inputs = batch([7, 7, 7])
+    reversed_inputs = {name: value.flip(-1) for name, value in inputs.items()}
+    torch.testing.assert_close(model(**reversed_inputs).logits, model(**inputs).logits)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_causal_prefix_logits_ignore_later_events(norm: str) -> None:
+    model = tiny(causal=True, norm=norm)
+    inputs = batch([9, 9, 6], seed=2)
+    out = model(**inputs)
+    assert out.prefix_logits.shape == inputs["mask"].shape
+    torch.testing.assert_close(out.logits, out.prefix_logits[torch.arange(3), [8, 8, 5]])
+
+    k = 3
+    changed = batch([9, 9, 6], seed=3)
+    altered = {name: value.clone() for name, value in inputs.items()}
+    for name in ("tokens", "time_buckets", "features"):
+        altered[name][..., k + 1 :] = changed[name][..., k + 1 :]
+    altered_out = model(**altered)
+    assert not torch.allclose(altered_out.logits, out.logits)
+    torch.testing.assert_close(altered_out.prefix_logits[:, : k + 1], out.prefix_logits[:, : k + 1])
+
+    for cut in range(6):
+        truncated = {name: value[..., : cut + 1] for name, value in inputs.items()}
+        torch.testing.assert_close(
+            model(**truncated).logits, out.prefix_logits[:, cut], atol=1e-5, rtol=1e-5
+        )
+
+
+@pytest.mark.parametrize(
+    ("variant", "norm", "attention"),
+    list(itertools.product(VARIANTS, NORMS, ["pooled", "rollout"])),
+)
+def test_explicit_attention_path_matches_fast_path(variant: dict, norm: str, attention) -> None:
+    model = tiny(norm=norm, n_layers=3, **variant)
+    inputs = batch(LENGTHS, width=12)
+    fast = model(**inputs)
+    explicit = model(**inputs, attention=attention)
+    assert fast.attention is None
+    torch.testing.assert_close(explicit.logits, fast.logits, atol=1e-5, rtol=1e-5)
+    if model.config.causal:
+        torch.testing.assert_close(explicit.prefix_logits, fast.prefix_logits, atol=1e-5, rtol=1e-5)
+
+    weights = explicit.attention
+    mask = inputs["mask"]
+    assert weights.shape == mask.shape  # the CLS position is not exported
+    assert (weights >= 0).all()
+    assert (weights[~mask] == 0).all()
+    torch.testing.assert_close(weights.sum(dim=1), torch.ones(len(LENGTHS)))
+    assert (weights[mask] > 0).all()
+
+
+def test_pooled_attention_is_the_cls_row_of_the_last_layer() -> None:
+    """Recompute the CLS row by hand from the last block's input: the export must match."""
+    model = tiny(n_layers=2)
+    inputs = batch([4, 2], width=5)
+    captured = {}
+    block = model.blocks[-1]
+    handle = block.register_forward_pre_hook(lambda _m, args: captured.update(x=args[0]))
+    exported = model(**inputs, attention="pooled").attention
+    handle.remove()
+    x = block.ln_1(captured["x"])
+    q, k, _ = block.attn.qkv(x).split(model.config.d_model, dim=2)
+    q, k = (t.view(2, 6, 2, 8).transpose(1, 2) for t in (q, k))
+    keys = torch.cat([torch.ones(2, 1, dtype=torch.bool), inputs["mask"]], dim=1)
+    scores = (q[:, :, :1] @ k.transpose(-2, -1)) / 8**0.5
+    row = scores.masked_fill(~keys[:, None, None, :], float("-inf")).softmax(-1).mean(1)[:, 0]
+    expected = row[:, 1:] / row[:, 1:].sum(dim=1, keepdim=True)
+    torch.testing.assert_close(exported, expected)
+
+
+def test_rollout_multiplies_identity_mixed_maps() -> None:
+    uniform = torch.full((1, 2, 2), 0.5)
+    one = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    torch.testing.assert_close(attention_rollout([one]), one)
+    # (A + I) / 2 for a uniform map, then squared
+    layer = torch.tensor([[[0.75, 0.25], [0.25, 0.75]]])
+    torch.testing.assert_close(attention_rollout([uniform, uniform]), layer @ layer)
+
+
+def test_empty_journey_gives_finite_outputs() -> None:
+    for variant in VARIANTS:
+        model = tiny(**variant)
+        inputs = batch([3, 1])
+        inputs = {name: value * 0 for name, value in inputs.items()}
+        inputs["mask"] = inputs["mask"].bool()
+        out = model(**inputs, attention="rollout")
+        assert torch.isfinite(out.logits).all()
+        assert torch.isfinite(out.attention).all()
+
+
+def test_config_from_settings_round_trips_and_weights_reload() -> None:
+    vocabs = Vocabularies(
+        by_column={
+            "event_type": Vocabulary(("<pad>", "<unk>", "view", "click")),
+            "channel": Vocabulary(("<pad>", "<unk>", "search")),
+            "device": Vocabulary(("<pad>", "<unk>", "mobile", "desktop", "tv")),
+        }
+    )
+    config = ModelConfig.from_config(Model(d_model=16, n_heads=2), vocabs, max_len=MAX_LEN)
+    assert (config.vocab_size, config.feature_vocab_sizes) == (4, (3, 5))
+    assert ModelConfig.from_dict(config.to_dict()) == config
+
+    model = tiny()
+    clone = JourneyTransformer(ModelConfig.from_dict(model.config.to_dict())).eval()
+    clone.load_state_dict(model.state_dict())
+    inputs = batch(LENGTHS)
+    torch.testing.assert_close(clone(**inputs).logits, model(**inputs).logits)
+    probabilities = model.predict_proba(**inputs)
+    assert ((probabilities > 0) & (probabilities < 1)).all()
+
+
+def test_padding_embeddings_start_at_zero_and_too_long_input_is_refused() -> None:
+    model = tiny(scramble=False)
+    assert model.event_embedding.weight[0].abs().sum() == 0
+    assert model.time_embedding.weight[0].abs().sum() == 0
+    with pytest.raises(ValueError, match="max_len"):
+        model(**batch([MAX_LEN + 1]))
