@@ -11,3 +11,9 @@ class ConfigError(JourneysError):
 
 class InputError(JourneysError):
     """An input file or dataset is missing, unreadable or does not match the configuration."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, for one-line error reports."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -17,7 +17,7 @@ from zoneinfo import ZoneInfo
 import polars as pl
 
 from journeys.config import Data
-from journeys.errors import InputError
+from journeys.errors import InputError, first_line
 
 # Logical columns every event log must provide (their raw names come from data.columns).
 REQUIRED = ("user_id", "timestamp", "event_type")
@@ -151,7 +151,7 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
         frame = _scan(path, fmt)
         schema = frame.collect_schema()
     except (pl.exceptions.PolarsError, OSError, ValueError) as err:
-        raise InputError(f"{path}: cannot read as {fmt}: {_first_line(err)}") from None
+        raise InputError(f"{path}: cannot read as {fmt}: {first_line(err)}") from None
 
     raw_names = {logical: data.column(logical) for logical in text_columns}
     missing = [f"{raw} ({logical})" for logical, raw in raw_names.items() if raw not in schema]
@@ -165,11 +165,6 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
         pl.lit(str(path)).alias(SOURCE),
         pl.int_range(1, pl.len() + 1, dtype=pl.Int64).alias(ROW),
     )
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:

@@ -27,7 +27,7 @@ from typing import Any
 import polars as pl
 
 from journeys.config import Config
-from journeys.errors import InputError
+from journeys.errors import InputError, first_line
 from journeys.events import (
     REASON,
     REASONS,
@@ -163,19 +163,14 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
             pl.PartitionBy(folder, key=BUCKET, include_key=False), mkdir=True
         )
     except (pl.exceptions.PolarsError, OSError) as err:
-        raise InputError(f"cannot read {raw or config.paths.raw}: {_first_line(err)}") from None
+        raise InputError(f"cannot read {raw or config.paths.raw}: {first_line(err)}") from None
     buckets = {int(p.name.split("=", 1)[1]): p for p in folder.glob(f"{BUCKET}=*")}
-    quarantine = sorted(buckets.pop(QUARANTINE_BUCKET, folder).glob("*.parquet"))
+    quarantine_dir = buckets.pop(QUARANTINE_BUCKET, None)
+    quarantine = sorted(quarantine_dir.glob("*.parquet")) if quarantine_dir else []
     partitions = [buckets[k] for k in sorted(buckets)]
-    parquet_files = [f for p in [*partitions, folder] for f in sorted(p.glob("*.parquet"))]
-    files = parquet_files + quarantine
+    files = [f for p in partitions for f in p.glob("*.parquet")] + quarantine
     rows_read = pl.scan_parquet(files).select(pl.len()).collect().item() if files else 0
     return Staged(folder, partitions, quarantine, rows_read, sources)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 @dataclass(frozen=True)
