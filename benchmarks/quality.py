@@ -1,0 +1,130 @@
+"""How good is the transformer? Test metrics against the baselines and the true model.
+
+On a simulated log (`journeys.simulate`, whose ground truth gives every journey its true
+conversion probability), the product runs as a user would: `ingest`, then `train` (the
+transformer and every baseline, tracked in a private MLflow store) once per seed. The
+"oracle" row scores the same test journeys with the simulator's true probabilities: the
+best any model can do on this data. Printed: mean +- std over seeds of every test metric.
+
+Usage::
+
+    .venv/bin/python benchmarks/quality.py                     # 20k users, seeds 0 1 2
+    .venv/bin/python benchmarks/quality.py --quick             # 3k users, one seed, 10 epochs
+    .venv/bin/python benchmarks/quality.py --config conf/gpu.yaml --set train.devices=1
+
+Everything is written under `data/bench/quality/` (log, journeys, checkpoints, mlflow.db).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+BENCH = ROOT / "data" / "bench" / "quality"
+METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
+
+
+def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str]):
+    """Simulate (cached per size and seed) and ingest; return the config and truth folder."""
+    from journeys.config import load_config
+    from journeys.ingest import run_ingest
+    from journeys.simulate import simulate
+
+    raw = BENCH / f"events-{users}-{sim_seed}"
+    if not (raw / "_truth" / "journeys.parquet").exists():
+        simulate(raw, users=users, seed=sim_seed)
+    uri = f"sqlite:///{BENCH / 'mlflow.db'}"
+    config = load_config(
+        config_path,
+        [
+            f"paths.raw={raw}",
+            f"paths.journeys={BENCH / 'journeys'}",
+            f"paths.quarantine={BENCH / 'quarantine'}",
+            f"paths.checkpoints={BENCH / 'checkpoints'}",
+            f"mlflow.tracking_uri={uri}",
+            "mlflow.experiment=journeys-quality",
+            "mlflow.registered_model=journey-conversion-quality",
+            *overrides,
+        ],
+    )
+    run_ingest(config)
+    return config, raw / "_truth"
+
+
+def oracle_metrics(config, truth: Path) -> dict[str, float]:
+    """The simulator's true probabilities on the test split: the ceiling for every model."""
+    import polars as pl
+
+    from journeys.data import read_journeys
+    from journeys.metrics import binary_metrics
+
+    test = (
+        read_journeys(config.paths.journeys)
+        .filter((pl.col("split") == "test") & ~pl.col("censored"))
+        .select("journey_id", "label")
+        .collect()
+        .join(pl.read_parquet(truth / "journeys.parquet"), on="journey_id", how="inner")
+    )
+    labels = test.get_column("label").to_numpy()
+    return binary_metrics(labels, test.get_column("true_probability").to_numpy())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "conf" / "default.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--users", type=int, default=20_000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="3k users, one seed, 10 epochs")
+    args = parser.parse_args()
+    if args.quick:
+        args.users, args.seeds = 3_000, args.seeds[:1]
+        # ~16 steps an epoch at 3k users: a short warm-up, or training never leaves it.
+        args.overrides = ["train.max_epochs=10", "train.warmup_steps=30", *args.overrides]
+
+    from journeys.train import train_command
+
+    config, truth = prepare(args.users, args.sim_seed, args.config, args.overrides)
+    rows: dict[str, list[dict[str, float]]] = {"oracle (true probability)": []}
+    oracle = oracle_metrics(config, truth)
+    for seed in args.seeds:
+        seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(io.StringIO()):  # one table at the end, not per seed
+            result = train_command(seeded)
+        print(f"seed {seed}: trained in {time.perf_counter() - start:.0f} s (run {result.run_id})")
+        rows["oracle (true probability)"].append(oracle)
+        rows.setdefault("transformer", []).append(result.metrics)
+        calibrated = {f"test_{m}": result.metrics[f"test_{m}_calibrated"] for m in METRICS}
+        rows.setdefault("transformer (calibrated)", []).append(calibrated)
+        for name, baseline in result.baselines.items():
+            rows.setdefault(f"baseline_{name}", []).append(baseline.metrics)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Test metrics, {args.users:,} users, seeds {args.seeds} (mean +- std)")
+    table.add_column("model")
+    for name in METRICS:
+        table.add_column(name, justify="right")
+    summary = {}
+    for model, runs in rows.items():
+        values = {m: np.array([r[f"test_{m}"] for r in runs]) for m in METRICS}
+        summary[model] = {m: [float(v.mean()), float(v.std())] for m, v in values.items()}
+        table.add_row(model, *(f"{v.mean():.4f} +- {v.std():.4f}" for v in values.values()))
+    Console(width=140).print(table)
+    (BENCH / "results.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Training throughput of the conversion transformer: journeys/s, events/s, ms/step, memory.
+
+Runs the product's training path (Lightning `JourneyModule`, the length-grouped loader,
+the configured precision and device) for a fixed number of optimiser steps on random
+journeys, and times the steps after a warm-up. With `--compare-grouping` it also runs
+plain (unsorted) batches, to show what length grouping saves in padding.
+
+Usage::
+
+    .venv/bin/python benchmarks/train_speed.py                          # conf/default.yaml
+    .venv/bin/python benchmarks/train_speed.py --config conf/gpu.yaml --set train.devices=1
+    .venv/bin/python benchmarks/train_speed.py --quick --compare-grouping
+
+Only one device is used (devices=1, no DDP): the number is per GPU / per CPU process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def random_journeys(n: int, mean_events: float, max_len: int, vocab_sizes: list[int], seed: int):
+    """`EncodedJourneys` of n random journeys with geometric lengths (1..max_len)."""
+    import torch
+
+    from journeys.data import EncodedJourneys
+
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.geometric(1 / mean_events, size=n), max_len)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    total = int(offsets[-1])
+
+    def ids(size: int) -> torch.Tensor:  # ids >= 2: neither padding nor unknown
+        return torch.from_numpy(rng.integers(2, size, total, dtype=np.int32))
+
+    return EncodedJourneys(
+        tokens=ids(vocab_sizes[0]),
+        features=torch.stack([ids(size) for size in vocab_sizes[2:]])
+        if len(vocab_sizes) > 2
+        else torch.zeros(0, total, dtype=torch.int32),
+        time_buckets=ids(vocab_sizes[1]),
+        offsets=torch.from_numpy(offsets.astype(np.int64)),
+        labels=torch.from_numpy((rng.random(n) < 0.1).astype(np.float32)),
+        journey_ids=None,
+    )
+
+
+def run(config, encoded, steps: int, warmup: int, group_by_length: bool) -> dict[str, float]:
+    import lightning as L
+    import torch
+
+    from journeys.data import make_dataloader
+    from journeys.model import ModelConfig
+    from journeys.train import JourneyModule
+
+    settings = config.train
+    n_features = encoded.features.size(0)
+    model_config = ModelConfig(
+        vocab_size=int(encoded.tokens.max()) + 1,
+        feature_vocab_sizes=tuple(int(encoded.features[i].max()) + 1 for i in range(n_features)),
+        n_time_buckets=config.model.time_buckets,
+        d_model=config.model.d_model,
+        n_heads=config.model.n_heads,
+        n_layers=config.model.n_layers,
+        dropout=config.model.dropout,
+        positional=config.model.positional,
+        norm=config.model.norm,
+        pooling=config.model.pooling,
+        causal=config.model.causal,
+        max_len=config.journey.max_events,
+    )
+    module = JourneyModule(model_config, settings)
+    loader = make_dataloader(
+        encoded,
+        settings.batch_size,
+        shuffle=True,
+        group_by_length=group_by_length,
+        num_workers=settings.num_workers,
+    )
+    padded = 0
+    real = 0
+    for i, batch in enumerate(loader):  # padding share over the batches the run will see
+        if i >= steps:
+            break
+        padded += batch.mask.numel()
+        real += int(batch.mask.sum())
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.journeys = 0
+            self.events = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            if batch_idx >= warmup:
+                self.journeys += len(batch.labels)
+                self.events += int(batch.mask.sum())
+
+    clock = Clock()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer = L.Trainer(
+        accelerator=settings.accelerator,
+        devices=1,
+        precision=settings.precision,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=settings.grad_clip or None,
+        callbacks=[clock],
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    elapsed = clock.times[-1] - clock.times[warmup - 1]
+    measured = len(clock.times) - warmup
+    memory = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if torch.cuda.is_available()
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    return {
+        "group_by_length": group_by_length,
+        "steps_timed": measured,
+        "ms_per_step": 1000 * elapsed / measured,
+        "journeys_per_s": clock.journeys / elapsed,
+        "events_per_s": clock.events / elapsed,
+        "padding_share": 1 - real / padded,
+        "peak_memory_mib": memory,
+        "parameters": module.model.num_parameters(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "conf" / "default.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--journeys", type=int, default=50_000)
+    parser.add_argument("--mean-events", type=float, default=12.0)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--compare-grouping", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args()
+    if args.quick:
+        args.journeys, args.steps, args.warmup = 5_000, 12, 3
+
+    import lightning as L
+
+    from journeys.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    L.seed_everything(config.train.seed, verbose=False)
+    sizes = [64, config.model.time_buckets, *(16 for _ in config.data.features)]
+    encoded = random_journeys(
+        args.journeys, args.mean_events, config.journey.max_events, sizes, config.train.seed
+    )
+    results = [run(config, encoded, args.steps, args.warmup, group_by_length=True)]
+    if args.compare_grouping:
+        results.append(run(config, encoded, args.steps, args.warmup, group_by_length=False))
+
+    print(
+        f"model d={config.model.d_model} layers={config.model.n_layers} "
+        f"heads={config.model.n_heads}; batch {config.train.batch_size}; "
+        f"precision {config.train.precision}; accelerator {config.train.accelerator}"
+    )
+    for r in results:
+        print(
+            f"  grouped={r['group_by_length']!s:5}  {r['ms_per_step']:8.1f} ms/step  "
+            f"{r['journeys_per_s']:9.0f} journeys/s  {r['events_per_s']:10.0f} events/s  "
+            f"padding {r['padding_share']:.0%}  peak {r['peak_memory_mib']:.0f} MiB"
+        )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

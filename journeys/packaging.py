@@ -1,0 +1,275 @@
+"""The trained model as files, logged to MLflow, and loaded back without unpickling.
+
+A model is five plain files:
+
+- `weights.safetensors`: the `JourneyTransformer` state dict (safetensors: tensors only);
+- `model_config.json`: `ModelConfig` (architecture and vocabulary sizes);
+- `vocab.json`: the train vocabularies (`Vocabularies.save` format);
+- `preprocessing.json`: what turns raw events into the journeys the model saw (features,
+  time buckets, max_events, conversion/drop events, event map, timezone, ...);
+- `calibration.json`: the temperature fitted on the val split.
+
+They are logged as the artifacts of an MLflow models-from-code pyfunc
+(`journeys/pyfunc_model.py`), so the model is registrable and servable, while
+`load_model` reads the files directly: JSON and safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from journeys.errors import InputError
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from journeys.config import Config
+    from journeys.data import EncodedJourneys
+    from journeys.model import JourneyTransformer
+    from journeys.vocab import Vocabularies
+
+WEIGHTS = "weights.safetensors"
+MODEL_CONFIG = "model_config.json"
+VOCAB = "vocab.json"  # journeys.vocab.VOCAB_FILE
+PREPROCESSING = "preprocessing.json"
+CALIBRATION = "calibration.json"
+MODEL_FILES = (WEIGHTS, MODEL_CONFIG, VOCAB, PREPROCESSING, CALIBRATION)
+FORMAT_VERSION = 1
+MODEL_NAME = "model"  # the artifact name under the run: runs:/<run_id>/model
+PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
+PREDICT_BATCH_SIZE = 1024
+
+_MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/]+))/?")
+
+
+def preprocessing_settings(config: Config) -> dict[str, Any]:
+    """Everything scoring needs to rebuild journeys exactly as training saw them."""
+    data, journey = config.data, config.journey
+    return {
+        "format_version": FORMAT_VERSION,
+        "features": list(data.features),
+        "n_time_buckets": config.model.time_buckets,
+        "max_events": journey.max_events,
+        "max_gap": journey.max_gap,
+        "conversion_events": list(data.conversion_events),
+        "drop_events": list(data.drop_events),
+        "event_map": dict(data.event_map),
+        "columns": dict(data.columns),
+        "timezone": data.timezone,
+        "timestamp_unit": data.timestamp_unit,
+    }
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to score: weights in eval mode plus everything to encode journeys."""
+
+    model: JourneyTransformer
+    vocabs: Vocabularies
+    preprocessing: dict[str, Any]
+    model_uri: str
+    model_version: str | None = None
+    temperature: float = 1.0
+    model_config: dict[str, Any] = field(default_factory=dict)
+
+    def predict_logits(
+        self, frame: pl.DataFrame, batch_size: int = PREDICT_BATCH_SIZE
+    ) -> np.ndarray:
+        """Uncalibrated logits for a journeys frame (ingest schema), in the frame's order."""
+        from journeys.data import encode_journeys
+
+        encoded = encode_journeys(
+            frame,
+            self.vocabs,
+            self.preprocessing["n_time_buckets"],
+            self.preprocessing["max_events"],
+        )
+        return predict_logits(self.model, encoded, batch_size)
+
+    def predict_proba(
+        self, frame: pl.DataFrame, batch_size: int = PREDICT_BATCH_SIZE, calibrated: bool = True
+    ) -> np.ndarray:
+        """Conversion probabilities; `calibrated` divides logits by the fitted temperature."""
+        logits = self.predict_logits(frame, batch_size)
+        temperature = self.temperature if calibrated else 1.0
+        return 1.0 / (1.0 + np.exp(-logits / temperature))
+
+
+def predict_logits(
+    model: JourneyTransformer, encoded: EncodedJourneys, batch_size: int = PREDICT_BATCH_SIZE
+) -> np.ndarray:
+    """Logits [n] for `EncodedJourneys`, in their order, on the model's device, in float32."""
+    import torch
+
+    from journeys.data import make_dataloader
+
+    device = next(model.parameters()).device
+    out = np.zeros(len(encoded), dtype=np.float32)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        # Grouped by length for little padding; `batch.index` puts rows back in order.
+        for batch in make_dataloader(encoded, batch_size, shuffle=False, group_by_length=True):
+            logits = model(
+                batch.tokens.to(device),
+                batch.features.to(device),
+                batch.time_buckets.to(device),
+                batch.mask.to(device),
+            ).logits
+            out[batch.index.numpy()] = logits.float().cpu().numpy()
+    model.train(was_training)
+    return out
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_model_files(
+    folder: str | Path,
+    model: JourneyTransformer,
+    vocabs: Vocabularies,
+    preprocessing: dict[str, Any],
+    temperature: float = 1.0,
+) -> dict[str, Path]:
+    """Write the five model files into `folder`; return {file name: path}."""
+    from safetensors.torch import save_model
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    # save_model (not save_file) copes with tied/shared tensors and makes them contiguous.
+    save_model(model, str(folder / WEIGHTS), metadata={"format": "pt"})
+    (folder / MODEL_CONFIG).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    vocabs.save(folder)
+    (folder / PREPROCESSING).write_text(json.dumps(preprocessing, indent=2, default=str) + "\n")
+    (folder / CALIBRATION).write_text(json.dumps({"temperature": float(temperature)}) + "\n")
+    return {name: folder / name for name in MODEL_FILES}
+
+
+def log_model(
+    model: JourneyTransformer,
+    vocabs: Vocabularies,
+    preprocessing: dict[str, Any],
+    temperature: float = 1.0,
+):
+    """Log the model under the active MLflow run as a models-from-code pyfunc.
+
+    Returns MLflow's `ModelInfo` (its `model_uri` is what gets registered).
+    """
+    import mlflow
+
+    with tempfile.TemporaryDirectory(prefix="journeys-model-") as tmp:
+        files = save_model_files(tmp, model, vocabs, preprocessing, temperature)
+        return mlflow.pyfunc.log_model(
+            name=MODEL_NAME,
+            python_model=str(PYFUNC_FILE),
+            artifacts={name: str(path) for name, path in files.items()},
+            # Explicit requirements: inferring them would load the model in a subprocess.
+            pip_requirements=_requirements(),
+        )
+
+
+def _requirements() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for package in ("torch", "safetensors", "polars", "numpy", "pandas", "mlflow", "journeys"):
+        try:
+            out.append(f"{package}=={version(package)}")
+        except PackageNotFoundError:
+            continue  # e.g. journeys run from a checkout rather than installed
+    return out
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load_model_files(
+    folder: str | Path, model_uri: str | None = None, model_version: str | None = None
+) -> LoadedModel:
+    """Build a `LoadedModel` from the five files in `folder` (or its `artifacts/`)."""
+    from safetensors.torch import load_model as load_weights
+
+    from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.vocab import Vocabularies
+
+    folder = Path(folder)
+    if not (folder / WEIGHTS).exists() and (folder / "artifacts" / WEIGHTS).exists():
+        folder = folder / "artifacts"  # an MLflow model folder: files live in artifacts/
+    missing = [name for name in MODEL_FILES if not (folder / name).exists()]
+    if missing:
+        raise InputError(f"{model_uri or folder} is not a journeys model: missing {missing}")
+    model_config = json.loads((folder / MODEL_CONFIG).read_text())
+    model = JourneyTransformer(ModelConfig.from_dict(model_config))
+    load_weights(model, str(folder / WEIGHTS), strict=True, device="cpu")
+    model.eval()
+    return LoadedModel(
+        model=model,
+        vocabs=Vocabularies.load(folder),
+        preprocessing=json.loads((folder / PREPROCESSING).read_text()),
+        model_uri=model_uri or str(folder),
+        model_version=model_version,
+        temperature=float(json.loads((folder / CALIBRATION).read_text())["temperature"]),
+        model_config=model_config,
+    )
+
+
+def load_model(model_uri: str, tracking_uri: str | None = None) -> LoadedModel:
+    """Load a logged model: `runs:/<id>/model`, `models:/<name>/<version>`,
+    `models:/<name>@<alias>`, `models:/<model_id>`, or a local folder.
+
+    Artifacts are downloaded with MLflow and read as JSON and safetensors, so this works
+    with `MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false`. A missing model, version or alias
+    raises `InputError` with one line.
+    """
+    if ":/" not in model_uri:
+        if not Path(model_uri).is_dir():
+            raise InputError(f"model {model_uri} not found: not a model URI nor a folder")
+        return load_model_files(model_uri, model_uri)
+
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from journeys.tracking import use_tracking_uri
+
+    # Ten small files: per-file progress bars would be noise (the user can turn them on).
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # The registry defaults to the process-wide tracking URI, not the one given here: pass
+    # both explicitly, or `models:/` lookups read another store.
+    tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+    registry_uri = os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri
+    version = None
+    tmp = tempfile.mkdtemp(prefix="journeys-model-")
+    try:
+        match = _MODELS_URI.fullmatch(model_uri)
+        if match:  # name the version: scores record which one produced them
+            client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+            name = match["name"]
+            if match["alias"]:
+                version = client.get_model_version_by_alias(name, match["alias"]).version
+            else:
+                version = client.get_model_version(name, match["version"]).version
+        # MLflow 3.17 resolves logged models (`runs:/` -> `models:/m-...`) through the
+        # process-wide tracking URI whatever is passed here: point it at ours meanwhile.
+        with use_tracking_uri(tracking_uri):
+            folder = mlflow.artifacts.download_artifacts(
+                artifact_uri=model_uri,
+                dst_path=tmp,
+                tracking_uri=tracking_uri,
+                registry_uri=registry_uri,
+            )
+        return load_model_files(folder, model_uri, None if version is None else str(version))
+    except MlflowException as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise InputError(f"model {model_uri} not found: {reason}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

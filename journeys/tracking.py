@@ -1,0 +1,260 @@
+"""MLflow: where runs go, what every run logs, the registry's champion rule, and the UI.
+
+CONTRACT §4: the tracking URI comes from `mlflow.tracking_uri` unless `MLFLOW_TRACKING_URI`
+is set; runs go to experiment `mlflow.experiment`; the registered model is
+`mlflow.registered_model` and its alias `champion` only moves to a version whose
+`test_roc_auc` beats the current champion's.
+
+MLflow is imported inside functions: `journeys ui` and the fail-fast checks stay light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from journeys.errors import JourneysError
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+    from journeys.config import Config
+
+CHAMPION_ALIAS = "champion"
+MODEL_FAMILY_TAG = "model_family"
+INGEST_REPORT = "ingest_report.json"
+# A tracking server that does not answer this fast is treated as unreachable: training
+# must fail before it spends minutes of compute, not when it tries to log the result.
+REACHABILITY_TIMEOUT_S = 5.0
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def tracking_uri(config: Config) -> str:
+    """`MLFLOW_TRACKING_URI` if set, else `mlflow.tracking_uri` from the config."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri
+
+
+def check_tracking_uri(uri: str, timeout: float = REACHABILITY_TIMEOUT_S) -> None:
+    """Raise `JourneysError` (one line) unless the tracking store answers now.
+
+    HTTP stores get one short request to `/health` (MLflow's own client would retry with
+    back-off for minutes); database and file stores get one cheap query.
+    """
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+                pass
+        except urllib.error.HTTPError:
+            pass  # it answered: reachable (a proxy may not expose /health)
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise JourneysError(f"MLflow tracking URI {uri} is unreachable: {reason}") from None
+        return
+    if uri.startswith("sqlite:///"):
+        # SQLite creates the file but not its folder; create it rather than fail later.
+        database = Path(uri.removeprefix("sqlite:///"))
+        if str(database) not in ("", ":memory:"):
+            database.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from mlflow import MlflowClient
+
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+    except Exception as err:  # any backend error means "cannot track here"
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise JourneysError(f"MLflow tracking URI {uri} is not usable: {first_line}") from None
+
+
+@contextlib.contextmanager
+def use_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's process-wide ("fluent") tracking URI at `uri` for a block.
+
+    `mlflow.set_tracking_uri` also writes `MLFLOW_TRACKING_URI` into `os.environ`, which
+    would then override every later config in this process (CONTRACT §4 gives the variable
+    precedence), and MLflow's own context manager deletes a variable the user had set.
+    Both the setting and the variable are restored exactly.
+    """
+    import mlflow
+    from mlflow.tracking._tracking_service import utils as fluent
+
+    saved_uri, saved_env = fluent._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved_uri)  # None resets it (and drops the variable)
+        if saved_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
+def get_experiment_id(uri: str, name: str) -> str:
+    """The id of experiment `name` in the store at `uri`, created if missing."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException:  # created meanwhile by a concurrent training
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def log_config(client: MlflowClient, run_id: str, config: Config) -> None:
+    """The whole resolved config as params. On resume, keys already logged are kept.
+
+    MLflow params are immutable, so a value changed for a resumed run is recorded as a
+    `resume_override.<key>` tag instead of failing the run.
+    """
+    from mlflow.entities import Param, RunTag
+
+    logged = client.get_run(run_id).data.params
+    params, tags = [], []
+    for key, value in config.flat().items():
+        if key not in logged:
+            params.append(Param(key, value))
+        elif logged[key] != value:
+            tags.append(RunTag(f"resume_override.{key}", value))
+    client.log_batch(run_id, params=params, tags=tags)
+
+
+def _flatten_counts(prefix: str, value: Any, out: dict[str, float]) -> None:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flatten_counts(f"{prefix}_{key}", inner, out)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        out[prefix] = float(value)
+
+
+def ingest_counts(report: dict[str, Any]) -> dict[str, float]:
+    """Numeric entries of the ingest report as flat metric names (`ingest_rows_read`, ...)."""
+    out: dict[str, float] = {}
+    for key, value in report.items():
+        _flatten_counts(f"ingest_{key}", value, out)
+    return out
+
+
+def log_ingest_report(client: MlflowClient, run_id: str, journeys_folder: str | Path) -> None:
+    """The ingest report as an artifact, and its counts as metrics (comparable across runs)."""
+    from mlflow.entities import Metric
+
+    path = Path(journeys_folder) / INGEST_REPORT
+    if not path.exists():
+        return  # a dataset built by hand may have none; training does not need it
+    client.log_artifact(run_id, str(path))
+    report = json.loads(path.read_text())
+    client.log_batch(
+        run_id,
+        metrics=[Metric(key, value, 0, 0) for key, value in ingest_counts(report).items()],
+    )
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> None:
+    """Final (step 0) metrics in one request; NaN is kept (e.g. AUC on a one-class split)."""
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class Registration:
+    """The outcome of registering one model version."""
+
+    version: int
+    champion_version: int
+    promoted: bool
+    reason: str
+
+
+def _version_roc_auc(client: MlflowClient, version: Any) -> float:
+    """The champion's `test_roc_auc`: its run's metric, else the version tag."""
+    value = version.tags.get("test_roc_auc")
+    if version.run_id:
+        # The run may have been deleted: then the tag set at registration stands.
+        with contextlib.suppress(Exception):
+            value = client.get_run(version.run_id).data.metrics.get("test_roc_auc", value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def register_model(
+    client: MlflowClient, model_uri: str, name: str, run_id: str, test_roc_auc: float
+) -> Registration:
+    """Register `model_uri` as a new version of `name`; move `champion` only on improvement.
+
+    The decision (and why) is tagged on both the run and the new version.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    version = mlflow.register_model(model_uri, name, tags={"test_roc_auc": str(test_roc_auc)})
+    new = int(version.version)
+    try:
+        champion = client.get_model_version_by_alias(name, CHAMPION_ALIAS)
+    except MlflowException:
+        champion = None
+
+    if champion is None:
+        promoted, reason = True, f"first champion (test_roc_auc {test_roc_auc:.4f})"
+    else:
+        best = _version_roc_auc(client, champion)
+        # NaN never wins against a real number, and a tie keeps the incumbent.
+        promoted = math.isfinite(test_roc_auc) and (not math.isfinite(best) or test_roc_auc > best)
+        relation = ">" if promoted else "<="
+        reason = (
+            f"test_roc_auc {test_roc_auc:.4f} {relation} champion v{champion.version} ({best:.4f})"
+        )
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION_ALIAS, str(new))
+    champion_version = new if promoted else int(champion.version)
+
+    decision = "promoted" if promoted else "kept_previous"
+    for key, value in {"champion_decision": decision, "champion_reason": reason}.items():
+        client.set_model_version_tag(name, str(new), key, value)
+        client.set_tag(run_id, key, value)
+    client.set_tag(run_id, "registered_model_version", f"{name}/{new}")
+    return Registration(new, champion_version, promoted, reason)
+
+
+# ----------------------------------------------------------------------------- UI
+
+
+def ui_command(config: Config, host: str = "127.0.0.1", port: int = 5000) -> None:
+    """Run `mlflow ui` on the configured store, bound to 127.0.0.1 unless asked otherwise."""
+    uri = tracking_uri(config)
+    if uri.startswith(("http://", "https://")):
+        print(f"tracking URI {uri} is a server already: open it in a browser")
+        return
+    if host not in _LOOPBACK:
+        print(f"warning: binding to {host} exposes the MLflow UI to the network", file=sys.stderr)
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    command += ["--host", host, "--port", str(port)]
+    print(f"MLflow UI for {uri} on http://{host}:{port} (Ctrl+C stops it)")
+    env = {
+        **os.environ,
+        "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"),
+    }
+    returncode = subprocess.run(command, env=env, check=False).returncode
+    if returncode not in (0, -2, 130):  # -2 / 130: stopped with Ctrl+C
+        raise JourneysError(f"mlflow ui exited with code {returncode}")

@@ -1,0 +1,203 @@
+"""MLflow wiring: fail-fast checks, the champion rule, params on resume, the UI command."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_journeys_dataset
+from mlflow import MlflowClient
+
+from journeys import tracking
+from journeys.cli import main
+from journeys.config import load_config
+from journeys.errors import JourneysError
+
+UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens there
+
+
+def test_env_tracking_uri_overrides_the_config(monkeypatch) -> None:
+    config = load_config(None, ["mlflow.tracking_uri=sqlite:///from-config.db"])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri(config) == "sqlite:///from-config.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///from-env.db")
+    assert tracking.tracking_uri(config) == "sqlite:///from-env.db"
+
+
+@pytest.mark.parametrize("user_env", [None, "sqlite:///user.db"])
+def test_use_tracking_uri_restores_the_setting_and_the_variable(monkeypatch, user_env) -> None:
+    import mlflow
+
+    if user_env is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", user_env)
+    before = mlflow.get_tracking_uri()
+    with tracking.use_tracking_uri("sqlite:///inside.db"):
+        assert mlflow.get_tracking_uri() == "sqlite:///inside.db"
+    assert os.environ.get("MLFLOW_TRACKING_URI") == user_env
+    assert mlflow.get_tracking_uri() == before
+
+
+@pytest.mark.parametrize("via_env", [False, True])
+def test_unreachable_tracking_uri_fails_fast_with_exit_2(
+    tmp_path, monkeypatch, capsys, via_env
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    make_journeys_dataset(tmp_path / "journeys", n=120)
+    args = ["train", "--set", f"paths.journeys={tmp_path / 'journeys'}"]
+    args += ["--set", f"paths.checkpoints={tmp_path / 'checkpoints'}"]
+    if via_env:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", UNREACHABLE)
+        args += ["--set", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'unused.db'}"]
+    else:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        args += ["--set", f"mlflow.tracking_uri={UNREACHABLE}"]
+    import journeys.train  # noqa: F401  (imported up front: time only the check itself)
+
+    start = time.perf_counter()
+    assert main(args) == 2
+    assert time.perf_counter() - start < 10
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert UNREACHABLE in err and "unreachable" in err
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "unused.db").exists()
+
+
+def test_missing_journeys_exits_2_with_one_line(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--set", f"paths.journeys={tmp_path / 'nope'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "journeys ingest" in err
+
+
+def test_sqlite_store_folder_is_created(tmp_path) -> None:
+    uri = f"sqlite:///{tmp_path / 'deep' / 'er' / 'mlflow.db'}"
+    tracking.check_tracking_uri(uri)
+    assert (tmp_path / "deep" / "er" / "mlflow.db").exists()
+
+
+def test_ingest_report_counts_become_flat_metric_names() -> None:
+    report = {
+        "rows_read": 10,
+        "quarantined": {"bad_timestamp": 2},
+        "journeys_by_split": {"train": 3},
+    }
+    counts = tracking.ingest_counts({**report, "source": "data/raw", "ok": True})
+    assert counts == {
+        "ingest_rows_read": 10.0,
+        "ingest_quarantined_bad_timestamp": 2.0,
+        "ingest_journeys_by_split_train": 3.0,
+    }
+
+
+def test_resumed_run_keeps_its_params_and_tags_changed_values(mlflow_env) -> None:
+    client = MlflowClient(mlflow_env)
+    experiment = tracking.get_experiment_id(mlflow_env, "journeys")
+    run_id = client.create_run(experiment).info.run_id
+    tracking.log_config(client, run_id, load_config(None, ["train.max_epochs=2"]))
+    tracking.log_config(client, run_id, load_config(None, ["train.max_epochs=5"]))
+    run = client.get_run(run_id)
+    assert run.data.params["train.max_epochs"] == "2"
+    assert run.data.tags["resume_override.train.max_epochs"] == "5"
+
+
+def test_champion_moves_on_improvement_and_stays_on_regression(mlflow_env) -> None:
+    import mlflow
+
+    from journeys import packaging
+    from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.vocab import Vocabularies, Vocabulary
+
+    model = JourneyTransformer(ModelConfig(vocab_size=4, d_model=8, n_heads=2, n_layers=1))
+    vocabs = Vocabularies({"event_type": Vocabulary(("<pad>", "<unk>", "view", "click"))})
+    preprocessing = {"features": [], "n_time_buckets": 32, "max_events": 64}
+    experiment = tracking.get_experiment_id(mlflow_env, "journeys")
+    client = MlflowClient(mlflow_env)
+
+    def register(auc: float) -> tracking.Registration:
+        with tracking.use_tracking_uri(mlflow_env):
+            with mlflow.start_run(experiment_id=experiment) as run:
+                mlflow.log_metric("test_roc_auc", auc)
+                info = packaging.log_model(model, vocabs, preprocessing)
+            return tracking.register_model(client, info.model_uri, "jc", run.info.run_id, auc)
+
+    def champion() -> int:
+        return int(client.get_model_version_by_alias("jc", "champion").version)
+
+    first = register(0.70)
+    assert (first.version, first.promoted, champion()) == (1, True, 1)
+    better = register(0.80)
+    assert (better.version, better.promoted, champion()) == (2, True, 2)
+    worse = register(0.75)
+    assert (worse.version, worse.promoted, worse.champion_version, champion()) == (3, False, 2, 2)
+    tie = register(0.80)
+    assert not tie.promoted and champion() == 2  # must beat, not equal
+    undefined = register(math.nan)
+    assert not undefined.promoted and champion() == 2
+
+    version = client.get_model_version("jc", "3")
+    assert version.tags["champion_decision"] == "kept_previous"
+    assert "0.7500 <= champion v2 (0.8000)" in version.tags["champion_reason"]
+    assert client.get_run(version.run_id).data.tags["champion_decision"] == "kept_previous"
+    assert client.get_model_version("jc", "2").tags["champion_decision"] == "promoted"
+
+
+def test_ui_binds_to_loopback_on_the_configured_store(monkeypatch, capsys) -> None:
+    import subprocess
+
+    calls = []
+
+    class Done:
+        returncode = 0
+
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or Done())
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = load_config(None, ["mlflow.tracking_uri=sqlite:///x.db"])
+    tracking.ui_command(config, host="127.0.0.1", port=5123)
+    command = calls[0]
+    assert command[1:4] == ["-m", "mlflow", "ui"]
+    assert command[command.index("--backend-store-uri") + 1] == "sqlite:///x.db"
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--port") + 1] == "5123"
+    assert "warning" not in capsys.readouterr().err
+
+    tracking.ui_command(config, host="0.0.0.0", port=5000)
+    assert "exposes" in capsys.readouterr().err
+
+    Done.returncode = 1
+    with pytest.raises(JourneysError, match="exited with code 1"):
+        tracking.ui_command(config)
+
+
+def test_ui_on_a_tracking_server_just_points_at_it(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    tracking.ui_command(load_config(None, []))
+    assert "http://mlflow.internal:5000" in capsys.readouterr().out
+
+
+def test_cli_ui_uses_the_same_command(monkeypatch) -> None:
+    seen = {}
+    monkeypatch.setattr(
+        tracking, "ui_command", lambda config, host, port: seen.update(h=host, p=port)
+    )
+    assert main(["ui", "--port", "5001"]) == 0
+    assert seen == {"h": "127.0.0.1", "p": 5001}
+
+
+def test_tracking_module_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, journeys.tracking; print('mlflow' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        check=True,
+    ).stdout
+    assert out.split() == ["False", "False"]

@@ -1,0 +1,285 @@
+"""Training end to end on a tiny dataset: what lands in MLflow, and loading it back safely."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from conftest import make_journeys_dataset
+from mlflow import MlflowClient
+
+from journeys import metrics as M
+from journeys.config import Config, load_config
+from journeys.errors import InputError, JourneysError
+
+TINY = [
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.n_layers=1",
+    "model.dropout=0.0",
+    "train.batch_size=64",
+    "train.warmup_steps=4",
+    "train.lr=0.005",
+    "train.accelerator=cpu",
+    "train.num_workers=0",
+]
+CONTRACT_METRICS = ("test_roc_auc", "test_pr_auc", "test_log_loss", "test_brier", "test_ece")
+EPOCH_METRICS = ("train_loss", "val_loss", "val_roc_auc")
+PLOTS = ("roc.png", "pr.png", "calibration.png", "attention_by_event_type.png")
+
+
+def tiny_config(folder: Path, uri: str, *overrides: str) -> Config:
+    return load_config(
+        None,
+        [
+            *TINY,
+            f"paths.journeys={folder / 'journeys'}",
+            f"paths.checkpoints={folder / 'checkpoints'}",
+            f"mlflow.tracking_uri={uri}",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory):
+    """One real training (2 epochs, all baselines) shared by the tests of this module."""
+    from journeys.train import train_command
+
+    tmp = tmp_path_factory.mktemp("train")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the config's URI, this time
+        mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+        make_journeys_dataset(tmp / "journeys", n=400, seed=0)
+        config = tiny_config(tmp, uri, "train.max_epochs=2")
+        fluent_before = mlflow.get_tracking_uri()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            result = train_command(config)
+        # MLflow's set_tracking_uri exports the variable; training must not leave it behind
+        # (it would override the next config's URI in this process).
+        assert "MLFLOW_TRACKING_URI" not in os.environ
+        assert mlflow.get_tracking_uri() == fluent_before
+        yield result, config, uri, out.getvalue()
+
+
+def test_run_logs_every_contract_metric_param_tag_and_plot(trained) -> None:
+    result, config, uri, _ = trained
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["model_family"] == "transformer"
+    assert client.get_experiment(run.info.experiment_id).name == config.mlflow.experiment
+    assert run.data.params == config.flat()  # the whole resolved config, nothing else
+    for name in (*CONTRACT_METRICS, "test_ece_calibrated", "temperature"):
+        assert name in run.data.metrics, name
+    assert 0.5 <= run.data.metrics["test_roc_auc"] <= 1 or math.isnan(
+        run.data.metrics["test_roc_auc"]
+    )
+    for name in EPOCH_METRICS:  # one value per epoch
+        history = client.get_metric_history(result.run_id, name)
+        assert len(history) == 2, name
+    report = json.loads((Path(config.paths.journeys) / "ingest_report.json").read_text())
+    assert run.data.metrics["ingest_rows_read"] == report["rows_read"]
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert "ingest_report.json" in artifacts
+    plots = {Path(a.path).name for a in client.list_artifacts(result.run_id, "plots")}
+    assert set(PLOTS) <= plots
+    for plot in PLOTS:
+        local = client.download_artifacts(result.run_id, f"plots/{plot}")
+        assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, monkeypatch) -> None:
+    from journeys.data import read_journeys
+    from journeys.packaging import load_model
+    from journeys.tracking import use_tracking_uri
+
+    result, config, uri, _ = trained
+    monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
+    test = (
+        read_journeys(config.paths.journeys)
+        .filter(pl.col("split") == "test")
+        .collect()
+        .join(result.test_predictions, on="journey_id")
+    )
+    for uri_form in (f"runs:/{result.run_id}/model", "models:/journey-conversion@champion"):
+        loaded = load_model(uri_form, tracking_uri=uri)
+        assert loaded.model_uri == uri_form
+        assert loaded.preprocessing["features"] == config.data.features
+        assert loaded.preprocessing["max_events"] == config.journey.max_events
+        assert loaded.vocabs.features == config.data.features
+        probs = loaded.predict_proba(test, calibrated=False)
+        np.testing.assert_allclose(probs, test.get_column("probability").to_numpy(), atol=1e-6)
+    assert loaded.model_version == str(result.model_version)
+    assert loaded.temperature == pytest.approx(result.metrics["temperature"])
+
+    # The registered pyfunc flavour loads too (models-from-code: no pickled object).
+    with use_tracking_uri(uri):
+        pyfunc = mlflow.pyfunc.load_model(f"models:/journey-conversion/{result.model_version}")
+    scored = pyfunc.predict(test.head(5))
+    expected = loaded.predict_proba(test.head(5))
+    np.testing.assert_allclose(scored["conversion_probability"].to_numpy(), expected, atol=1e-6)
+
+
+def test_missing_model_or_alias_is_a_one_line_input_error(trained) -> None:
+    from journeys.packaging import load_model
+
+    _, _, uri, _ = trained
+    for bad in (
+        "models:/journey-conversion@nope",
+        "models:/journey-conversion/99",
+        "runs:/0/model",
+    ):
+        with pytest.raises(InputError) as err:
+            load_model(bad, tracking_uri=uri)
+        assert "\n" not in str(err.value) and bad in str(err.value)
+
+
+def test_first_model_becomes_champion_and_baselines_share_the_experiment(trained) -> None:
+    result, config, uri, printed = trained
+    client = MlflowClient(uri)
+    assert result.promoted and result.champion_version == result.model_version == 1
+    champion = client.get_model_version_by_alias(config.mlflow.registered_model, "champion")
+    assert champion.run_id == result.run_id
+    assert champion.tags["champion_decision"] == "promoted"
+
+    runs = client.search_runs([result.experiment_id])
+    families = {r.data.tags["model_family"]: r for r in runs}
+    assert set(families) == {"transformer", *(f"baseline_{b}" for b in config.train.baselines)}
+    for name, baseline in result.baselines.items():
+        run = families[f"baseline_{name}"]
+        assert run.info.run_id == baseline.run_id
+        assert set(CONTRACT_METRICS) <= set(run.data.metrics)
+        plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
+        assert {"roc.png", "pr.png", "calibration.png"} <= plots
+    assert families["baseline_prior"].data.metrics["test_roc_auc"] == pytest.approx(0.5)
+    # One comparison table with every model.
+    assert printed.count("Test metrics") == 1
+    for family in families:
+        assert family in printed
+
+
+def test_resume_continues_the_interrupted_run(tmp_path: Path, mlflow_env: str, monkeypatch) -> None:
+    import lightning as L
+
+    from journeys import train
+
+    make_journeys_dataset(tmp_path / "journeys", n=300, seed=1)
+    config = tiny_config(tmp_path, mlflow_env, "train.max_epochs=2", "train.baselines=[]")
+
+    class Interrupt(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            if trainer.current_epoch == 1:  # epoch 0 and its checkpoint are done
+                raise RuntimeError("simulated crash after epoch 0")
+
+    build = train.build_trainer
+
+    def crashing(*args, **kwargs):
+        trainer, checkpoint = build(*args, **kwargs)
+        trainer.callbacks.append(Interrupt())
+        return trainer, checkpoint
+
+    monkeypatch.setattr(train, "build_trainer", crashing)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train.train_command(config)
+    state = json.loads((tmp_path / "checkpoints" / "latest.json").read_text())
+    assert (Path(state["checkpoint_dir"]) / "last.ckpt").exists()
+
+    monkeypatch.setattr(train, "build_trainer", build)
+    result = train.train_command(config, resume=True)
+    assert result.run_id == state["run_id"]
+    client = MlflowClient(mlflow_env)
+    assert len(client.search_runs([result.experiment_id])) == 1
+    steps = [m.step for m in client.get_metric_history(result.run_id, "val_roc_auc")]
+    assert len(steps) == 2 and steps[0] < steps[1]  # epoch 0 before the crash, epoch 1 after
+    assert client.get_run(result.run_id).info.status == "FINISHED"
+    with pytest.raises(JourneysError, match="nothing to resume"):
+        train.train_command(config, resume=True)
+
+
+def test_missing_dataset_fails_before_any_compute(tmp_path: Path, mlflow_env: str) -> None:
+    from journeys.train import train_command
+
+    config = tiny_config(tmp_path, mlflow_env)
+    with pytest.raises(InputError, match="journeys ingest"):
+        train_command(config)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    from journeys.train import lr_factor
+
+    warm = [lr_factor(s, 10, 100, "inverse_sqrt") for s in range(10)]
+    assert warm == sorted(warm) and warm[-1] == 1.0
+    assert lr_factor(39, 10, 100, "inverse_sqrt") == pytest.approx(0.5)  # sqrt(10 / 40)
+    cosine = [lr_factor(s, 10, 100, "cosine") for s in range(10, 101)]
+    assert cosine == sorted(cosine, reverse=True)
+    assert cosine[-1] == pytest.approx(0.1)
+
+
+def test_loss_uses_label_smoothing_and_pos_weight() -> None:
+    from journeys.data import JourneyBatch
+    from journeys.model import ModelConfig
+    from journeys.train import JourneyModule
+
+    settings = load_config(None, ["train.label_smoothing=0.2", "train.pos_weight=3"]).train
+    module = JourneyModule(
+        ModelConfig(vocab_size=5, d_model=8, n_heads=2, n_layers=1, dropout=0.0), settings
+    )
+    module.log = lambda *args, **kwargs: None  # no Trainer attached
+    batch = JourneyBatch(
+        tokens=torch.tensor([[2, 3], [4, 0]]),
+        features=torch.zeros(2, 0, 2, dtype=torch.long),
+        time_buckets=torch.tensor([[1, 2], [1, 0]]),
+        mask=torch.tensor([[True, True], [True, False]]),
+        labels=torch.tensor([1.0, 0.0]),
+        index=torch.arange(2),
+    )
+    logits = module._logits(batch)
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, torch.tensor([0.9, 0.1]), pos_weight=torch.tensor(3.0)
+    )
+    assert module.training_step(batch, 0).item() == pytest.approx(expected.item())
+
+    # The head starts at the prior's log-odds (shifted by pos_weight), not at p = 0.5.
+    module = JourneyModule(
+        ModelConfig(vocab_size=5, d_model=8, n_heads=2, n_layers=1), settings, 0.1
+    )
+    assert module.model.head.bias.item() == pytest.approx(math.log(0.1 / 0.9) + math.log(3))
+
+
+def test_ece_and_temperature_scaling() -> None:
+    rng = np.random.default_rng(0)
+    true_logits = rng.normal(0, 2, 20_000)
+    labels = (rng.random(true_logits.size) < M.sigmoid(true_logits)).astype(int)
+    assert M.expected_calibration_error(labels, M.sigmoid(true_logits)) < 0.02
+    overconfident = 3 * true_logits
+    assert M.expected_calibration_error(labels, M.sigmoid(overconfident)) > 0.05
+    assert M.fit_temperature(overconfident, labels) == pytest.approx(3.0, rel=0.1)
+    assert M.fit_temperature(true_logits, np.zeros_like(labels)) == 1.0  # one class: no fit
+    scores = M.binary_metrics(labels, M.sigmoid(true_logits))
+    assert set(scores) == {f"test_{m}" for m in M.METRIC_NAMES}
+    assert math.isnan(M.binary_metrics(np.ones(4), np.full(4, 0.5))["test_roc_auc"])
+
+
+def test_gpu_config_scales_training_and_keeps_everything_else() -> None:
+    root = Path(__file__).resolve().parents[1]
+    gpu = load_config(root / "conf" / "gpu.yaml").flat()
+    default = load_config(root / "conf" / "default.yaml").flat()
+    assert gpu.keys() == default.keys()
+    changed = {key.split(".")[0] for key in gpu if gpu[key] != default[key]}
+    assert changed == {"model", "train"}
+    assert (gpu["train.accelerator"], gpu["train.strategy"]) == ("gpu", "ddp")
+    assert gpu["train.precision"] == "bf16-mixed"
