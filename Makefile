@@ -29,16 +29,16 @@ run: $(STAMP)
 	$(BIN)/journeys pipeline
 
 test: $(STAMP)
-	$(BIN)/ruff check journeys flows tests benchmarks
+	$(BIN)/ruff check journeys flows tests benchmarks scripts
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check journeys flows tests benchmarks
-	$(BIN)/ruff format --check journeys flows tests benchmarks
+	$(BIN)/ruff check journeys flows tests benchmarks scripts
+	$(BIN)/ruff format --check journeys flows tests benchmarks scripts
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev,bench]"
 	$(BIN)/python benchmarks/ingest.py
 
 clean:
-	rm -rf $(VENV) data/raw data/journeys data/quarantine data/scores data/reports mlflow.db
+	rm -rf $(VENV) data/raw data/journeys data/quarantine data/scores data/reports data/checkpoints mlflow.db mlruns

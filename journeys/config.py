@@ -214,6 +214,34 @@ class Schedule(Section):
     train_cron: str = "0 3 * * 1"
 
 
+class Orchestration(Section):
+    """How the Prefect flows run (flows/): task runner, retries, caching, locking."""
+
+    task_runner: Literal["thread", "process", "dask"] = "thread"
+    max_workers: Annotated[int, Field(ge=1)] | None = 2  # memory ~ max_workers x one partition
+    dask_address: str | None = None  # tcp://scheduler:8786; None starts a local Dask cluster
+    retries: Annotated[int, Field(ge=0)] = 2
+    retry_delay_s: Annotated[float, Field(ge=0)] = 10.0
+    task_timeout: str = "12h"
+    cache: bool = True  # false: always recompute
+    lock_timeout: str = "12h"
+
+    @field_validator("task_timeout", "lock_timeout")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        parse_duration(value)
+        return value
+
+    @property
+    def task_timeout_s(self) -> float:
+        return parse_duration(self.task_timeout).total_seconds()
+
+    @property
+    def lock_timeout_s(self) -> float:
+        """How long a stage waits for another run's stage on the same data to finish."""
+        return parse_duration(self.lock_timeout).total_seconds()
+
+
 class Config(Section):
     paths: Paths = Field(default_factory=Paths)
     data: Data = Field(default_factory=Data)
@@ -227,6 +255,7 @@ class Config(Section):
     mlflow: Mlflow = Field(default_factory=Mlflow)
     score: Score = Field(default_factory=Score)
     schedule: Schedule = Field(default_factory=Schedule)
+    orchestration: Orchestration = Field(default_factory=Orchestration)
 
     def flat(self) -> dict[str, str]:
         """The resolved config as `section.key -> value` strings (MLflow params)."""

@@ -1,0 +1,137 @@
+"""Cache keys from input CONTENT, and markers that tie outputs on disk to a key.
+
+A stage's key hashes the bytes of its input files, the config sections it reads and the
+source of the library modules that do the work: unchanged inputs give the same key, so
+Prefect returns the cached result instead of recomputing. A cached result is only
+trusted while the outputs it describes are still on disk and unchanged since that run:
+each cached task leaves a marker (`.<output>.flow-cache.json`, beside the output) with
+the key and the size and mtime of every output file; no matching marker, no cache hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from journeys.config import Config
+
+CHUNK = 1 << 20
+MARKER = ".{name}.flow-cache.json"
+
+
+def _hasher() -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=16)
+
+
+def files_under(path: str | Path) -> list[Path]:
+    """A file itself, or every file under a folder (hidden names skipped), sorted."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+
+
+def digest_files(files: Iterable[Path]) -> str:
+    """Hash of the files' absolute names and bytes (streamed: memory stays flat)."""
+    digest = _hasher()
+    for path in sorted(Path(f).absolute() for f in files):
+        digest.update(f"{path}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def config_digest(config: Config, keys: Iterable[str]) -> str:
+    """Hash of the named config entries (`data`, `paths.raw`, ...); absent ones hash as null."""
+    tree = config.model_dump(mode="json")
+    selected: dict[str, Any] = {}
+    for key in keys:
+        node: Any = tree
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        selected[key] = node
+    return _text_digest(json.dumps(selected, sort_keys=True, default=str))
+
+
+def code_digest(*modules: str) -> str:
+    """Hash of the library modules' source files (found without importing them)."""
+    digest = _hasher()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec else None
+        digest.update(name.encode())
+        if origin and Path(origin).is_file():
+            digest.update(Path(origin).read_bytes())
+    return digest.hexdigest()
+
+
+def _text_digest(text: str) -> str:
+    digest = _hasher()
+    digest.update(text.encode())
+    return digest.hexdigest()
+
+
+def stage_key(stage: str, *parts: str) -> str:
+    """The cache key of a stage run (also a valid Prefect result-storage file name)."""
+    return f"journeys-{stage}-{_text_digest(chr(0).join(parts))}"
+
+
+def task_key(_context: Any, parameters: dict[str, Any]) -> str:
+    """Prefect `cache_key_fn`: the key the flow computed and passed as parameter `key`."""
+    return parameters["key"]
+
+
+# ----------------------------------------------------------------------------- markers
+
+
+def marker_path(output: str | Path) -> Path:
+    output = Path(output).absolute()
+    return output.parent / MARKER.format(name=output.name)
+
+
+def _stats(output: Path) -> dict[str, list[int]]:
+    return {
+        str(p.relative_to(output) if output.is_dir() else p.name): [
+            p.stat().st_size,
+            p.stat().st_mtime_ns,
+        ]
+        for p in files_under(output)
+    }
+
+
+def write_marker(output: str | Path, key: str, **facts: Any) -> None:
+    """Record that `output` (a file or folder) as it is now was produced under `key`."""
+    from journeys.storage import write_json
+
+    output = Path(output)
+    write_json({"key": key, "files": _stats(output), **facts}, marker_path(output))
+
+
+def read_marker(output: str | Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(marker_path(output).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def outputs_match(key: str, *outputs: str | Path) -> bool:
+    """True when every output still holds exactly the files the run under `key` wrote."""
+    for output in outputs:
+        marker = read_marker(output)
+        if marker is None or marker.get("key") != key:
+            return False
+        files = _stats(Path(output))
+        if not files or files != marker.get("files"):
+            return False
+    return True

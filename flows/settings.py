@@ -1,0 +1,58 @@
+"""Orchestration settings: the task runner, retries, timeouts, caching, the stage lock.
+
+They are the `orchestration` section of the configuration (`journeys.config.Orchestration`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from journeys.config import Config, Orchestration, load_config
+from journeys.errors import JourneysError
+
+if TYPE_CHECKING:
+    from prefect.task_runners import TaskRunner
+
+LOCK_FILE = ".journeys.lock"
+
+
+def orchestration(config: Config) -> Orchestration:
+    """The orchestration settings of `config` (section `orchestration`)."""
+    return config.orchestration
+
+
+def make_task_runner(settings: Orchestration) -> TaskRunner:
+    """The configured Prefect task runner (Dask is an optional extra, imported lazily)."""
+    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+
+    if settings.task_runner == "thread":
+        return ThreadPoolTaskRunner(max_workers=settings.max_workers)
+    if settings.task_runner == "process":
+        return ProcessPoolTaskRunner(max_workers=settings.max_workers)
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError:
+        raise JourneysError(
+            "orchestration.task_runner=dask needs prefect-dask: pip install 'journeys[dask]'"
+        ) from None
+    if settings.dask_address:
+        return DaskTaskRunner(address=settings.dask_address)
+    cluster = {"n_workers": settings.max_workers} if settings.max_workers else {}
+    return DaskTaskRunner(cluster_kwargs=cluster)
+
+
+def resolve_config(
+    config: Config | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+) -> Config:
+    """A flow's configuration: the given object, else the file plus `--set` overrides."""
+    if config is not None:
+        return config
+    return load_config(config_file, overrides)
+
+
+def lock_path(config: Config) -> Path:
+    """One lock per data folder: stages of concurrent runs never write the same outputs."""
+    return Path(config.paths.journeys).absolute().parent / LOCK_FILE

@@ -1,0 +1,170 @@
+"""What a run produced, as Markdown (Prefect artifacts) and as the console summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
+MLFLOW_UI = "journeys ui  (MLflow on http://127.0.0.1:5000)"
+PREFECT_UI = (
+    "prefect server start  (Prefect UI on http://127.0.0.1:4200: runs, deployments, artifacts)"
+)
+
+
+def _cached(stage: dict[str, Any]) -> str:
+    return " (cached: inputs unchanged)" if stage.get("cached") else ""
+
+
+def metric_rows(train: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    """(model, test metrics) for the transformer, then each baseline."""
+    rows = [("transformer", train.get("metrics", {}))]
+    for name, baseline in sorted(train.get("baselines", {}).items()):
+        rows.append((f"baseline_{name}", baseline.get("metrics", {})))
+    return rows
+
+
+def _value(metrics: dict[str, float], name: str) -> str:
+    value = metrics.get(f"test_{name}")
+    return "n/a" if value is None else f"{value:.4f}"
+
+
+def metrics_markdown(train: dict[str, Any]) -> str:
+    lines = [
+        "| model | " + " | ".join(METRICS) + " |",
+        "|---|" + "---:|" * len(METRICS),
+    ]
+    for model, metrics in metric_rows(train):
+        lines.append(f"| {model} | " + " | ".join(_value(metrics, m) for m in METRICS) + " |")
+    return "\n".join(lines)
+
+
+def ingest_markdown(report: dict[str, Any], journeys: str, quarantine: str) -> str:
+    splits = ", ".join(f"{k} {v:,}" for k, v in report.get("journeys_by_split", {}).items())
+    reasons = ", ".join(f"{k} {v:,}" for k, v in report.get("quarantined", {}).items() if v)
+    return "\n".join(
+        [
+            "| what | count |",
+            "|---|---:|",
+            f"| rows read | {report['rows_read']:,} |",
+            f"| rows valid | {report['rows_valid']:,} |",
+            f"| quarantined | {report['quarantined_total']:,} |",
+            f"| duplicates dropped | {report['duplicates_dropped']:,} |",
+            f"| dropped by config | {report['dropped_by_config']:,} |",
+            f"| journeys | {report['journeys']:,} |",
+            f"| converted | {report['journeys_converted']:,} |",
+            f"| censored | {report['journeys_censored']:,} |",
+            "",
+            f"Splits: {splits}. Quarantine reasons: {reasons or 'none'}.",
+            "",
+            f"Journeys: `{journeys}`; quarantined rows: `{quarantine}`.",
+        ]
+    )
+
+
+def train_markdown(train: dict[str, Any]) -> str:
+    decision = "promoted to champion" if train.get("promoted") else "champion unchanged"
+    return "\n".join(
+        [
+            "Test metrics on the same time-based test split:",
+            "",
+            metrics_markdown(train),
+            "",
+            f"Model version **{train.get('model_version')}** of "
+            f"`{train.get('registered_model')}` ({decision}); champion version: "
+            f"**{train.get('champion_version')}**.",
+            "",
+            f"MLflow run `{train.get('run_id')}` in `{train.get('tracking_uri')}`.",
+        ]
+    )
+
+
+def score_markdown(score: dict[str, Any]) -> str:
+    return (
+        f"Scored **{score['rows']:,}** journeys with `{score['model_uri']}` "
+        f"(version {score.get('model_version')}) into `{score['out']}`."
+    )
+
+
+def credit_markdown(credit: list[dict[str, Any]]) -> str:
+    """Credit per touchpoint and method (shares of conversions, in %)."""
+    if not credit:
+        return "No converting journeys: no credit to share."
+    methods = [k for k in credit[0] if k not in ("dimension", "touchpoint")]
+    lines = [
+        f"| {credit[0].get('dimension', 'touchpoint')} | " + " | ".join(methods) + " |",
+        "|---|" + "---:|" * len(methods),
+    ]
+    for row in credit:
+        shares = " | ".join("n/a" if row[m] is None else f"{100 * row[m]:.1f}%" for m in methods)
+        lines.append(f"| {row['touchpoint']} | {shares} |")
+    return "\n".join(lines)
+
+
+def attribution_markdown(attribution: dict[str, Any]) -> str:
+    files = "\n".join(f"- `{name}`" for name in attribution.get("files", []))
+    return (
+        f"{credit_markdown(attribution.get('credit', []))}\n\n"
+        f"Attribution report in `{attribution['out']}`:\n\n{files}"
+    )
+
+
+def pipeline_markdown(summary: dict[str, Any]) -> str:
+    """The pipeline run's artifact: counts, metrics, champion, where everything is."""
+    parts = ["# journeys pipeline", ""]
+    if summary.get("simulated"):
+        sim = summary["simulated"]
+        parts += [f"Simulated {sim['users']:,} users into `{sim['out']}` (raw was empty).", ""]
+    parts += [
+        f"## Ingest{_cached(summary['ingest'])}",
+        "",
+        ingest_markdown(
+            summary["ingest"], summary["paths"]["journeys"], summary["paths"]["quarantine"]
+        ),
+        "",
+        f"## Train{_cached(summary['train'])}",
+        "",
+        train_markdown(summary["train"]),
+        "",
+        f"## Score{_cached(summary['score'])}",
+        "",
+        score_markdown(summary["score"]),
+        "",
+        f"## Attribution{_cached(summary['attribution'])}",
+        "",
+        attribution_markdown(summary["attribution"]),
+        "",
+        f"Open MLflow with `{MLFLOW_UI}`.",
+    ]
+    return "\n".join(parts)
+
+
+def console_summary(summary: dict[str, Any]) -> str:
+    """The short text `journeys pipeline` prints at the end."""
+    ingest, train = summary["ingest"], summary["train"]
+    score, attribution = summary["score"], summary["attribution"]
+    width = max(len(model) for model, _ in metric_rows(train))
+    header = f"    {'model':<{width}}  " + "  ".join(f"{m:>8}" for m in METRICS)
+    table = [header] + [
+        f"    {model:<{width}}  " + "  ".join(f"{_value(metrics, m):>8}" for m in METRICS)
+        for model, metrics in metric_rows(train)
+    ]
+    decision = "promoted" if train.get("promoted") else "not promoted"
+    lines = [f"journeys pipeline: done in {summary['seconds']:.0f} s"]
+    if summary.get("simulated"):
+        sim = summary["simulated"]
+        lines.append(f"  simulated {sim['users']:,} users into {sim['out']} (raw was empty)")
+    lines += [
+        f"  ingest{_cached(ingest)}: {ingest['rows_read']:,} rows read, "
+        f"{ingest['rows_valid']:,} valid, {ingest['quarantined_total']:,} quarantined, "
+        f"{ingest['duplicates_dropped']:,} duplicates -> {ingest['journeys']:,} journeys "
+        f"({ingest['journeys_converted']:,} converted, {ingest['journeys_censored']:,} censored)",
+        f"  train{_cached(train)}: test metrics, transformer against the baselines:",
+        *table,
+        f"  champion: {train.get('registered_model')} version {train.get('champion_version')} "
+        f"(this run's model: version {train.get('model_version')}, {decision})",
+        f"  scores{_cached(score)}: {score['rows']:,} journeys in {score['out']}",
+        f"  attribution report{_cached(attribution)}: {attribution['out']}",
+        f"  MLflow:  {MLFLOW_UI}",
+        f"  Prefect: {PREFECT_UI}",
+    ]
+    return "\n".join(lines)
