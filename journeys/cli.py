@@ -58,9 +58,14 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from journeys.tracking import check_tracking_uri, tracking_uri
+
+    config = _config(args)
+    # Fail fast, before torch and Lightning are even imported.
+    check_tracking_uri(tracking_uri(config))
     from journeys.train import train_command
 
-    train_command(_config(args), resume=args.resume)
+    train_command(config, resume=args.resume)
 
 
 def cmd_score(args: argparse.Namespace) -> None:

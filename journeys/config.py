@@ -19,6 +19,15 @@ from journeys.errors import ConfigError
 
 DEFAULT_CONFIG = Path("conf/default.yaml")
 
+# `scheme://user:password@host` -> `scheme://user:***@host`, for anything logged or printed.
+_URI_PASSWORD = re.compile(r"(://[^/:@\s]+):[^@/\s]+@")
+
+
+def redact_uri(text: str) -> str:
+    """Hide passwords embedded in URIs (tracking servers, databases)."""
+    return _URI_PASSWORD.sub(r"\1:***@", text)
+
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 _DURATION_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 
@@ -258,7 +267,10 @@ class Config(Section):
     orchestration: Orchestration = Field(default_factory=Orchestration)
 
     def flat(self) -> dict[str, str]:
-        """The resolved config as `section.key -> value` strings (MLflow params)."""
+        """The resolved config as `section.key -> value` strings (MLflow params).
+
+        Passwords inside URIs are redacted: params are visible to everyone with the UI.
+        """
         out: dict[str, str] = {}
 
         def walk(prefix: str, value: Any) -> None:
@@ -266,7 +278,7 @@ class Config(Section):
                 for key, inner in value.items():
                     walk(f"{prefix}.{key}" if prefix else str(key), inner)
             else:
-                out[prefix] = str(value)
+                out[prefix] = redact_uri(str(value))
 
         walk("", self.model_dump(mode="json"))
         return out

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from journeys.errors import InputError
+from journeys.errors import InputError, first_line
 
 if TYPE_CHECKING:
     import polars as pl
@@ -207,17 +207,25 @@ def load_model_files(
     missing = [name for name in MODEL_FILES if not (folder / name).exists()]
     if missing:
         raise InputError(f"{model_uri or folder} is not a journeys model: missing {missing}")
-    model_config = json.loads((folder / MODEL_CONFIG).read_text())
-    model = JourneyTransformer(ModelConfig.from_dict(model_config))
-    load_weights(model, str(folder / WEIGHTS), strict=True, device="cpu")
+    try:
+        model_config = json.loads((folder / MODEL_CONFIG).read_text())
+        model = JourneyTransformer(ModelConfig.from_dict(model_config))
+        load_weights(model, str(folder / WEIGHTS), strict=True, device="cpu")
+        preprocessing = json.loads((folder / PREPROCESSING).read_text())
+        temperature = float(json.loads((folder / CALIBRATION).read_text())["temperature"])
+    except Exception as err:  # safetensors, JSON, shape or key errors: a damaged model
+        raise InputError(
+            f"{model_uri or folder}: damaged model files ({WEIGHTS}, {MODEL_CONFIG}, ...): "
+            f"{first_line(err)}"
+        ) from None
     model.eval()
     return LoadedModel(
         model=model,
         vocabs=Vocabularies.load(folder),
-        preprocessing=json.loads((folder / PREPROCESSING).read_text()),
+        preprocessing=preprocessing,
         model_uri=model_uri or str(folder),
         model_version=model_version,
-        temperature=float(json.loads((folder / CALIBRATION).read_text())["temperature"]),
+        temperature=temperature,
         model_config=model_config,
     )
 

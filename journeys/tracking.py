@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from journeys.config import Config, redact_uri
 from journeys.errors import JourneysError
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
-
-    from journeys.config import Config
 
 CHAMPION_ALIAS = "champion"
 MODEL_FAMILY_TAG = "model_family"
@@ -58,7 +57,9 @@ def check_tracking_uri(uri: str, timeout: float = REACHABILITY_TIMEOUT_S) -> Non
             pass  # it answered: reachable (a proxy may not expose /health)
         except (urllib.error.URLError, OSError, ValueError) as err:
             reason = getattr(err, "reason", err)
-            raise JourneysError(f"MLflow tracking URI {uri} is unreachable: {reason}") from None
+            raise JourneysError(
+                f"MLflow tracking URI {redact_uri(uri)} is unreachable: {reason}"
+            ) from None
         return
     if uri.startswith("sqlite:///"):
         # SQLite creates the file but not its folder; create it rather than fail later.
@@ -71,7 +72,9 @@ def check_tracking_uri(uri: str, timeout: float = REACHABILITY_TIMEOUT_S) -> Non
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
     except Exception as err:  # any backend error means "cannot track here"
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise JourneysError(f"MLflow tracking URI {uri} is not usable: {first_line}") from None
+        raise JourneysError(
+            f"MLflow tracking URI {redact_uri(uri)} is not usable: {redact_uri(first_line)}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -244,13 +247,13 @@ def ui_command(config: Config, host: str = "127.0.0.1", port: int = 5000) -> Non
     """Run `mlflow ui` on the configured store, bound to 127.0.0.1 unless asked otherwise."""
     uri = tracking_uri(config)
     if uri.startswith(("http://", "https://")):
-        print(f"tracking URI {uri} is a server already: open it in a browser")
+        print(f"tracking URI {redact_uri(uri)} is a server already: open it in a browser")
         return
     if host not in _LOOPBACK:
         print(f"warning: binding to {host} exposes the MLflow UI to the network", file=sys.stderr)
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
     command += ["--host", host, "--port", str(port)]
-    print(f"MLflow UI for {uri} on http://{host}:{port} (Ctrl+C stops it)")
+    print(f"MLflow UI for {redact_uri(uri)} on http://{host}:{port} (Ctrl+C stops it)")
     env = {
         **os.environ,
         "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"),
