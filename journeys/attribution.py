@@ -1,0 +1,782 @@
+"""Attribution report: what the model credits, side by side with the classic rules.
+
+Which attention is exported (`score.attention`)
+-----------------------------------------------
+By default `pooled`: the last layer's attention of the query the classifier reads, i.e.
+the CLS token's row (with `model.pooling: mean` the average of all rows, with `last` or a
+causal model the last event's row), averaged over heads, padding removed, renormalised to
+sum to 1 over the journey's events. It is cheap, O(L) extra per journey: the fast SDPA path
+still computes the outputs and only that one row of weights is recomputed, so exporting
+it costs little (see benchmarks/RESULTS.md). And it is the quantity the classifier head
+actually reads: the pooled vector is exactly this weighted mix of the last layer's values.
+Its limit is that it sees one layer: what earlier layers moved between positions is not
+in it. `rollout` (Abnar & Zuidema 2020) multiplies the head-averaged maps of every layer
+(with the residual identity mixed in), which follows information through the depth of
+the network, but needs the full L x L maps of every layer (O(L^2)) and tends to spread
+mass towards uniform. Neither is a causal explanation by itself: benchmarks/faithfulness.py
+measures how well each one finds the simulator's truly causal events, next to integrated
+gradients.
+
+What the report holds (`attribute`, written atomically into `paths.reports`)
+---------------------------------------------------------------------------
+Tables (Parquet and CSV), computed with Polars explode + group_by (no per-row Python):
+
+- `attention_by_event_type`, `attention_by_channel` (when the scores have a `channel`
+  list), `attention_by_position` (position from the end, 0 = the last event before the
+  outcome), per outcome (`converted`, `not_converted`, `unknown` = censored or unlabelled):
+  events, attention mass, attention share, event share, lift = attention share / event
+  share;
+- `credit`: one converting journey = one conversion to share out among touchpoints
+  (channels, or event types when there is no channel feature), by six methods: attention
+  (the exported weights), first touch, last touch, linear, the Markov-chain removal effect,
+  and integrated gradients on a sample; every column sums to 1;
+- `markov_transitions` and `markov_removal_effects`: the first-order chain over
+  touchpoints with `(start)`, `(conversion)` and `(null)` states, fitted on every journey
+  with a known outcome (converting and not), and each touchpoint's removal effect
+  1 - P(conversion without it) / P(conversion), normalised to shares for `credit`.
+  Absorption probabilities come from solving (I - Q) x = r with numpy.
+
+Plots (PNG): credit share by touchpoint for each method, attention heatmaps of a few
+high-scoring converting journeys, attention by position from the end.
+
+Integrated gradients (Sundararajan et al. 2017) are computed here in a few lines (no
+captum): the path runs from a zero input embedding (which is exactly the padding
+embedding: id 0 rows are zero) to the journey's summed input embedding (event type + time
+bucket + features), positional encodings and the CLS token held fixed; the target is the
+conversion logit. Per-event attribution = sum over dimensions of embedding x mean gradient
+along the path (midpoint rule, `IG_STEPS` steps). For credit, each journey's positive
+attributions are normalised to 1 (events that lowered the score get no credit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+
+from journeys.errors import InputError
+from journeys.storage import atomic_dir
+
+if TYPE_CHECKING:
+    import torch
+    from matplotlib.figure import Figure
+
+    from journeys.config import Config
+    from journeys.packaging import LoadedModel
+
+CHANNEL = "channel"  # the feature used as touchpoint when present; else event_type
+START, CONVERSION, NULL = "(start)", "(conversion)", "(null)"
+MISSING = "(none)"  # a touchpoint with no value (e.g. no channel recorded)
+OTHER = "(other)"  # rare touchpoints lumped together for the Markov chain
+CONVERTED, NOT_CONVERTED, UNKNOWN = "converted", "not_converted", "unknown"
+METHODS = ("attention", "first_touch", "last_touch", "linear", "markov", "integrated_gradients")
+
+# Numbers a user may want to change.
+POSITION_CAP = 20  # positions from the end >= this are pooled into one row
+MARKOV_MAX_STATES = 100  # keep the most frequent touchpoints; one solve per state
+IG_SAMPLE = 256  # converting journeys explained by integrated gradients
+IG_STEPS = 32  # Riemann steps along the path (midpoint rule)
+IG_BATCH_JOURNEYS = 32  # journeys per IG pass (each expands to IG_STEPS rows)
+N_EXAMPLES = 8  # journeys in the attention heatmap
+EXAMPLE_EVENTS = 20  # last events shown per journey in the heatmap
+SEED = 0
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def scan_scores(path: str | Path) -> pl.LazyFrame:
+    """Scores written by `journeys score` (a folder of part files or one Parquet file)."""
+    path = Path(path)
+    if path.is_dir():
+        parts = sorted(path.glob("*.parquet"))
+    elif path.exists():
+        parts = [path]
+    else:
+        raise InputError(f"scores not found at {path}: run `journeys score` first")
+    if not parts:
+        raise InputError(f"no scores (*.parquet) in {path}: run `journeys score` first")
+    try:
+        scores = pl.scan_parquet(parts)
+        schema = scores.collect_schema()
+    except (pl.exceptions.PolarsError, OSError) as err:
+        raise InputError(f"cannot read scores at {path}: {_first_line(err)}") from None
+    missing = [c for c in ("journey_id", "event_type", "attention") if c not in schema]
+    if missing:
+        raise InputError(f"scores at {path} lack column(s) {missing}")
+    return scores
+
+
+def outcome_expr(schema: pl.Schema) -> pl.Expr:
+    """converted / not_converted from `label`; unknown when censored or unlabelled."""
+    if "label" not in schema:
+        return pl.lit(UNKNOWN).alias("outcome")
+    censored = pl.col("censored").fill_null(False) if "censored" in schema else pl.lit(False)
+    return (
+        pl.when(censored | pl.col("label").is_null())
+        .then(pl.lit(UNKNOWN))
+        .when(pl.col("label") == 1)
+        .then(pl.lit(CONVERTED))
+        .otherwise(pl.lit(NOT_CONVERTED))
+        .alias("outcome")
+    )
+
+
+def touchpoint_column(schema: pl.Schema) -> str:
+    return CHANNEL if CHANNEL in schema else "event_type"
+
+
+def _filled(column: str) -> pl.Expr:
+    return pl.col(column).list.eval(pl.element().cast(pl.String).fill_null(MISSING))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention_by(scores: pl.LazyFrame, column: str) -> pl.DataFrame:
+    """Attention aggregated by the values of one list column, per outcome."""
+    schema = scores.collect_schema()
+    return _shares(
+        scores.select(outcome_expr(schema), _filled(column), "attention")
+        .explode([column, "attention"])
+        .drop_nulls("attention")
+        .group_by("outcome", column)
+        .agg(
+            events=pl.len(),
+            attention=pl.col("attention").cast(pl.Float64).sum(),
+            mean_attention=pl.col("attention").cast(pl.Float64).mean(),
+        ),
+        [column],
+    )
+
+
+def attention_by_position(scores: pl.LazyFrame, cap: int = POSITION_CAP) -> pl.DataFrame:
+    """Attention by position from the end (0 = last event; `cap` = that far or further)."""
+    schema = scores.collect_schema()
+    length = pl.col("attention").list.len().cast(pl.Int64)
+    return _shares(
+        scores.select(
+            outcome_expr(schema),
+            "attention",
+            pl.int_ranges(length - 1, -1, -1).alias("position_from_end"),
+        )
+        .explode(["attention", "position_from_end"])
+        .drop_nulls("attention")
+        .with_columns(pl.col("position_from_end").clip(upper_bound=cap))
+        .group_by("outcome", "position_from_end")
+        .agg(
+            events=pl.len(),
+            attention=pl.col("attention").cast(pl.Float64).sum(),
+            mean_attention=pl.col("attention").cast(pl.Float64).mean(),
+        ),
+        ["position_from_end"],
+    )
+
+
+def _shares(grouped: pl.LazyFrame, keys: list[str]) -> pl.DataFrame:
+    """Add attention and event shares within each outcome, and their ratio (lift)."""
+    return (
+        grouped.with_columns(
+            attention_share=pl.col("attention") / pl.col("attention").sum().over("outcome"),
+            event_share=pl.col("events") / pl.col("events").sum().over("outcome"),
+        )
+        .with_columns(lift=pl.col("attention_share") / pl.col("event_share"))
+        .sort(["outcome", *keys])
+        .collect(engine="streaming")
+    )
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def rule_based_credit(converted: pl.LazyFrame) -> pl.DataFrame:
+    """First touch, last touch and linear credit shares over converting journeys.
+
+    `converted` has a list column `touchpoints` (one per event, in order); each journey
+    is one conversion: all to its first (last) touchpoint, or 1/n to each of its n events.
+    """
+    journeys = converted.select(pl.len()).collect().item()
+    if journeys == 0:
+        return pl.DataFrame(
+            schema={"touchpoint": pl.String, **dict.fromkeys(METHODS[1:4], pl.Float64)}
+        )
+    first = converted.group_by(touchpoint=pl.col("touchpoints").list.first()).agg(
+        first_touch=pl.len()
+    )
+    last = converted.group_by(touchpoint=pl.col("touchpoints").list.last()).agg(last_touch=pl.len())
+    linear = (
+        converted.select(
+            pl.col("touchpoints").alias("touchpoint"),
+            (1.0 / pl.col("touchpoints").list.len()).alias("weight"),
+        )
+        .explode("touchpoint")
+        .group_by("touchpoint")
+        .agg(linear=pl.col("weight").sum())
+    )
+    table = _outer(_outer(first, last), linear).collect()
+    return table.with_columns(
+        (pl.col(name).cast(pl.Float64).fill_null(0.0) / journeys)
+        for name in ("first_touch", "last_touch", "linear")
+    ).sort("touchpoint")
+
+
+def attention_credit(converted: pl.LazyFrame) -> pl.DataFrame:
+    """Credit shares from the exported attention: each converting journey's weights (sum
+    1) go to the touchpoints of their events."""
+    journeys = converted.select(pl.len()).collect().item()
+    return (
+        converted.select(pl.col("touchpoints").alias("touchpoint"), "attention")
+        .explode(["touchpoint", "attention"])
+        .drop_nulls("attention")
+        .group_by("touchpoint")
+        .agg(attention=pl.col("attention").cast(pl.Float64).sum() / max(journeys, 1))
+        .sort("touchpoint")
+        .collect(engine="streaming")
+    )
+
+
+def _outer(left: pl.LazyFrame, right: pl.LazyFrame) -> pl.LazyFrame:
+    return left.join(right, on="touchpoint", how="full", coalesce=True)
+
+
+# ----------------------------------------------------------------------------- Markov
+
+
+@dataclass(frozen=True)
+class MarkovResult:
+    transitions: pl.DataFrame  # from, to, count, probability
+    removal: pl.DataFrame  # touchpoint, removal_effect, markov (share), p_without
+    conversion_probability: float  # P(reach (conversion) from (start))
+
+
+def markov_transitions(paths: pl.LazyFrame) -> pl.DataFrame:
+    """Transition counts of the first-order chain over touchpoints.
+
+    `paths` has `touchpoints` (list) and `converted` (bool): each journey is the path
+    (start) -> t1 -> ... -> tn -> (conversion) or (null).
+    """
+    end = pl.when(pl.col("converted")).then(pl.lit(CONVERSION)).otherwise(pl.lit(NULL))
+    path = pl.concat_list(pl.lit(START), pl.col("touchpoints"), end).alias("path")
+    steps = pl.col("path").list.len() - 1
+    return (
+        paths.select(path)
+        .select(
+            pl.col("path").list.slice(0, steps).alias("from"),
+            pl.col("path").list.slice(1).alias("to"),
+        )
+        .explode(["from", "to"])
+        .group_by("from", "to")
+        .agg(count=pl.len())
+        .sort("from", "to")
+        .collect(engine="streaming")
+    )
+
+
+def markov_removal_effects(transitions: pl.DataFrame) -> MarkovResult:
+    """Removal effects of a first-order absorbing chain given its transition counts.
+
+    States: (start) and the touchpoints are transient; (conversion) and (null) absorb.
+    With Q the transient-to-transient and r the transient-to-conversion probabilities,
+    the conversion probabilities x from each state solve (I - Q) x = r. Removing a
+    touchpoint sends every transition into it to (null): its column of Q is zeroed.
+    Self-loops (repeated touchpoints) change no absorption probability, so repeated
+    events need no collapsing.
+    """
+    states = set(transitions.get_column("from")) | set(transitions.get_column("to"))
+    touchpoints = sorted(states - {START, CONVERSION, NULL})
+    transient = [START, *touchpoints]
+    index = {state: i for i, state in enumerate(transient)}
+    n = len(transient)
+    counts = np.zeros((n, n + 2))  # columns: transient..., conversion, null
+    absorbing = {CONVERSION: n, NULL: n + 1}
+    for source, target, count in transitions.select("from", "to", "count").iter_rows():
+        counts[index[source], index.get(target, absorbing.get(target, -1))] += count
+    totals = counts.sum(axis=1, keepdims=True)
+    probabilities = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+    q, r = probabilities[:, :n], probabilities[:, n]
+
+    def p_conversion(q_matrix: np.ndarray) -> float:
+        return float(np.linalg.solve(np.eye(n) - q_matrix, r)[index[START]])
+
+    base = p_conversion(q) if n > 1 else 0.0
+    without = []
+    for touchpoint in touchpoints:
+        removed = q.copy()
+        removed[:, index[touchpoint]] = 0.0
+        without.append(p_conversion(removed))
+    p_without = np.array(without, dtype=np.float64)
+    effect = 1.0 - p_without / base if base > 0 else np.zeros(len(touchpoints))
+    total = effect.sum()
+    share = effect / total if total > 0 else np.zeros(len(touchpoints))
+
+    source_totals = transitions.group_by("from").agg(total=pl.col("count").sum())
+    table = (
+        transitions.join(source_totals, on="from")
+        .with_columns(probability=pl.col("count") / pl.col("total"))
+        .drop("total")
+        .sort("from", "to")
+    )
+    removal = pl.DataFrame(
+        {
+            "touchpoint": touchpoints,
+            "removal_effect": effect,
+            "markov": share,
+            "p_without": p_without,
+        },
+        schema={
+            "touchpoint": pl.String,
+            "removal_effect": pl.Float64,
+            "markov": pl.Float64,
+            "p_without": pl.Float64,
+        },
+    )
+    return MarkovResult(table, removal, base)
+
+
+def markov_attribution(paths: pl.LazyFrame, max_states: int = MARKOV_MAX_STATES) -> MarkovResult:
+    """Fit the chain on `paths` (touchpoints + converted), lumping rare touchpoints into
+    `(other)` beyond `max_states` so the number of linear solves stays small."""
+    frequent = (
+        paths.select(pl.col("touchpoints").explode().alias("touchpoint"))
+        .group_by("touchpoint")
+        .agg(count=pl.len())
+        .sort(["count", "touchpoint"], descending=[True, False])
+        .collect(engine="streaming")
+    )
+    if frequent.height > max_states:
+        keep = frequent.head(max_states - 1).get_column("touchpoint").implode()
+        paths = paths.with_columns(
+            pl.col("touchpoints").list.eval(
+                pl.when(pl.element().is_in(keep.first()))
+                .then(pl.element())
+                .otherwise(pl.lit(OTHER))
+            )
+        )
+    return markov_removal_effects(markov_transitions(paths))
+
+
+# ----------------------------------------------------------------------------- IG
+
+
+def integrated_gradients(
+    model: Any,
+    tokens: torch.Tensor,
+    features: torch.Tensor,
+    time_buckets: torch.Tensor,
+    mask: torch.Tensor,
+    steps: int = IG_STEPS,
+) -> torch.Tensor:
+    """Per-event IG of the conversion logit w.r.t. the summed input embedding [B, L].
+
+    Baseline: zero embeddings (= padding). The embedding modules' outputs are scaled by
+    alpha through forward hooks, so the model runs unchanged; since the input to the
+    first block is their sum, the gradient w.r.t. any one of them is the gradient w.r.t.
+    the sum. Padded positions get 0.
+    """
+    import torch
+
+    batch, _ = tokens.shape
+    device = tokens.device
+    embeddings = [model.event_embedding, model.time_embedding, *model.feature_embeddings]
+    model.eval()
+    with torch.no_grad():
+        summed = model.event_embedding(tokens) + model.time_embedding(time_buckets)
+        for i, embedding in enumerate(model.feature_embeddings):
+            summed = summed + embedding(features[:, i])
+
+    def repeat(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(steps, dim=0)
+
+    alphas = (torch.arange(steps, device=device, dtype=summed.dtype) + 0.5) / steps
+    scale = alphas.repeat(batch)[:, None, None]  # row b * steps + s has alpha_s
+    captured: list[torch.Tensor] = []
+
+    def scale_output(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        scaled = output * scale
+        if module is model.event_embedding:
+            captured.append(scaled)
+        return scaled
+
+    hooks = [embedding.register_forward_hook(scale_output) for embedding in embeddings]
+    try:
+        with torch.enable_grad():
+            logits = model(
+                repeat(tokens), repeat(features), repeat(time_buckets), repeat(mask)
+            ).logits
+            (grad,) = torch.autograd.grad(logits.sum(), captured[0])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    mean_grad = grad.view(batch, steps, *grad.shape[1:]).mean(dim=1)
+    return (summed * mean_grad).sum(dim=-1) * mask
+
+
+def integrated_gradients_frame(
+    loaded: LoadedModel,
+    frame: pl.DataFrame,
+    steps: int = IG_STEPS,
+    batch_journeys: int = IG_BATCH_JOURNEYS,
+) -> pl.Series:
+    """IG per event for a journeys/scores frame: a list[float32] per journey, aligned with
+    the (model-length) lists of `journeys.score.score_frame`."""
+    import torch
+
+    from journeys.data import encode_journeys, make_dataloader
+    from journeys.score import _list_series
+
+    model = loaded.model
+    device = next(model.parameters()).device
+    n_time_buckets = int(loaded.preprocessing.get("n_time_buckets", model.config.n_time_buckets))
+    encoded = encode_journeys(frame, loaded.vocabs, n_time_buckets, int(model.config.max_len))
+    values = np.zeros(encoded.n_events, dtype=np.float32)
+    offsets = encoded.offsets
+    for batch in make_dataloader(encoded, batch_journeys, shuffle=False, group_by_length=True):
+        attributions = integrated_gradients(
+            model,
+            batch.tokens.to(device),
+            batch.features.to(device),
+            batch.time_buckets.to(device),
+            batch.mask.to(device),
+            steps,
+        )
+        mask = batch.mask
+        positions = (offsets[batch.index][:, None] + torch.arange(mask.size(1)))[mask].numpy()
+        values[positions] = attributions.detach().float().cpu()[mask].numpy()
+    return _list_series("integrated_gradients", offsets.numpy(), values)
+
+
+def positive_part(column: str) -> pl.Expr:
+    """A list of signed attributions -> its positive part (events that raised the score)."""
+    return pl.col(column).list.eval(pl.element().clip(lower_bound=0.0))
+
+
+def normalised_positive(frame: pl.DataFrame | pl.LazyFrame, column: str, out: str = "weight"):
+    """Keep rows with some positive attribution; `out` = positive part scaled to sum 1.
+
+    Rows whose attributions are all <= 0 are dropped (they would divide by zero).
+    """
+    positive = frame.with_columns(positive_part(column).alias(out))
+    total = pl.col(out).list.sum()
+    # Polars orders NaN above every number, so `total > 0` alone would keep NaN rows.
+    return positive.filter((total > 0) & total.is_finite()).with_columns(pl.col(out) / total)
+
+
+def ig_credit(
+    loaded: LoadedModel,
+    converted: pl.LazyFrame,
+    sample: int = IG_SAMPLE,
+    seed: int = SEED,
+    steps: int = IG_STEPS,
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """Integrated-gradients credit shares on a random sample of converting journeys."""
+    ids = converted.select("journey_id").collect().get_column("journey_id")
+    if ids.len() > sample:
+        ids = ids.sample(sample, seed=seed)
+    frame = converted.filter(pl.col("journey_id").is_in(ids.implode())).collect()
+    if frame.height == 0:
+        empty = pl.DataFrame(schema={"touchpoint": pl.String, "integrated_gradients": pl.Float64})
+        return empty, {"ig_sample": 0}
+    frame = frame.with_columns(integrated_gradients_frame(loaded, frame, steps))
+    weights = normalised_positive(
+        frame.select("touchpoints", "integrated_gradients"), "integrated_gradients"
+    )
+    explained = weights.height
+    table = (
+        weights.explode(["touchpoints", "weight"])
+        .group_by(touchpoint=pl.col("touchpoints"))
+        .agg(integrated_gradients=pl.col("weight").cast(pl.Float64).sum() / max(explained, 1))
+        .sort("touchpoint")
+    )
+    return table, {"ig_sample": frame.height, "ig_explained": explained, "ig_steps": steps}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+@dataclass
+class AttributionReport:
+    tables: dict[str, pl.DataFrame]
+    summary: dict[str, Any]
+    figures: dict[str, Figure] = field(default_factory=dict, repr=False)
+
+    @property
+    def credit(self) -> pl.DataFrame:
+        return self.tables["credit"]
+
+
+def build_report(
+    scores: pl.LazyFrame,
+    *,
+    loaded: LoadedModel | None = None,
+    ig_sample: int = IG_SAMPLE,
+    seed: int = SEED,
+) -> AttributionReport:
+    """Every table, summary fact and figure of the report (nothing written yet)."""
+    schema = scores.collect_schema()
+    dimension = touchpoint_column(schema)
+    # All columns stay available (IG re-encodes the journeys); projection pushdown reads
+    # only what each query uses.
+    journeys = scores.with_columns(outcome_expr(schema), _filled(dimension).alias("touchpoints"))
+    converted = journeys.filter(pl.col("outcome") == CONVERTED)
+    known = journeys.filter(pl.col("outcome") != UNKNOWN).select(
+        "touchpoints", converted=pl.col("outcome") == CONVERTED
+    )
+
+    tables: dict[str, pl.DataFrame] = {
+        "attention_by_event_type": attention_by(scores, "event_type"),
+    }
+    if CHANNEL in schema:
+        tables["attention_by_channel"] = attention_by(scores, CHANNEL)
+    tables["attention_by_position"] = attention_by_position(scores)
+
+    markov = markov_attribution(known)
+    credit = _outer(rule_based_credit(converted).lazy(), attention_credit(converted).lazy())
+    credit = _outer(credit, markov.removal.select("touchpoint", "markov").lazy())
+    summary: dict[str, Any] = {}
+    if loaded is not None and ig_sample > 0:
+        ig_table, summary = ig_credit(loaded, converted, ig_sample, seed)
+        credit = _outer(credit, ig_table.lazy())
+    credit_table = credit.collect()
+    methods = [m for m in METHODS if m in credit_table.columns]
+    credit_table = (
+        credit_table.with_columns(pl.col(m).fill_null(0.0) for m in methods)
+        .select(pl.lit(dimension).alias("dimension"), "touchpoint", *methods)
+        .sort("touchpoint")
+    )
+    tables["credit"] = credit_table
+    tables["markov_transitions"] = markov.transitions
+    tables["markov_removal_effects"] = markov.removal
+
+    counts = dict(
+        journeys.group_by("outcome").agg(pl.len()).collect().iter_rows()  # type: ignore[arg-type]
+    )
+    n_known = counts.get(CONVERTED, 0) + counts.get(NOT_CONVERTED, 0)
+    summary = {
+        "journeys": sum(counts.values()),
+        "journeys_by_outcome": {k: counts.get(k, 0) for k in (CONVERTED, NOT_CONVERTED, UNKNOWN)},
+        "touchpoint_dimension": dimension,
+        "credit_methods": methods,
+        "observed_conversion_rate": counts.get(CONVERTED, 0) / n_known if n_known else None,
+        "markov_conversion_probability": markov.conversion_probability,
+        **summary,
+    }
+    if not counts.get(CONVERTED):
+        summary["note"] = "no converting journeys with a known outcome: no credit to share out"
+    examples = _examples(journeys)
+    figures = {
+        "credit_by_touchpoint.png": plot_credit(credit_table, dimension),
+        "attention_by_position.png": plot_position(tables["attention_by_position"]),
+    }
+    if examples.height:
+        figures["attention_examples.png"] = plot_examples(examples)
+    return AttributionReport(tables, summary, figures)
+
+
+def _examples(journeys: pl.LazyFrame, n: int = N_EXAMPLES) -> pl.DataFrame:
+    """The highest-scoring converting journeys (any journeys when none converted)."""
+    order = (
+        "conversion_probability" if "conversion_probability" in journeys.collect_schema() else None
+    )
+    for subset in (journeys.filter(pl.col("outcome") == CONVERTED), journeys):
+        picked = subset.filter(pl.col("attention").list.len() > 0)
+        if order:
+            picked = picked.sort(order, descending=True, nulls_last=True)
+        frame = picked.head(n).collect()
+        if frame.height:
+            return frame
+    return pl.DataFrame()
+
+
+def write_report(report: AttributionReport, out: str | Path) -> Path:
+    """Tables as Parquet + CSV, figures as PNG, `summary.json`: swapped in atomically."""
+    out = Path(out)
+    with atomic_dir(out) as staging:
+        for name, table in report.tables.items():
+            table.write_parquet(staging / f"{name}.parquet")
+            table.write_csv(staging / f"{name}.csv")
+        for name, figure in report.figures.items():
+            figure.savefig(staging / name, dpi=120, bbox_inches="tight")
+        (staging / "summary.json").write_text(json.dumps(report.summary, indent=2, default=str))
+    return out
+
+
+def attribute(
+    scores: str | Path | pl.LazyFrame,
+    out: str | Path,
+    *,
+    loaded: LoadedModel | None = None,
+    ig_sample: int = IG_SAMPLE,
+    seed: int = SEED,
+) -> AttributionReport:
+    """Build the report from scores (a folder, a file or a LazyFrame) and write it to `out`.
+
+    With `loaded` (the model that produced the scores) integrated gradients are added on
+    a sample of `ig_sample` converting journeys.
+    """
+    frame = scores if isinstance(scores, pl.LazyFrame) else scan_scores(scores)
+    report = build_report(frame, loaded=loaded, ig_sample=ig_sample, seed=seed)
+    write_report(report, out)
+    return report
+
+
+def attribute_command(
+    config: Config, scores: str | Path | None = None, out: str | Path | None = None
+) -> AttributionReport:
+    """`journeys attribute`: the report from existing scores into `paths.reports`.
+
+    The model named in the scores is reloaded for integrated gradients (skipped, with a
+    warning, when it cannot be loaded); the report is logged to the scoring run when the
+    scores name one and the tracking store exists.
+    """
+    from journeys.score import read_metadata, tracking_ready
+    from journeys.tracking import tracking_uri
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    scores = Path(scores or config.paths.scores)
+    out = Path(out or config.paths.reports)
+    frame = scan_scores(scores)
+    metadata = read_metadata(scores)
+    store = tracking_uri(config)
+    loaded = _load_scoring_model(metadata, store)
+    report = attribute(frame, out, loaded=loaded)
+    print_credit(report)
+    if "note" in report.summary:
+        print(report.summary["note"])
+    print(f"attribution report -> {out}")
+    run_id = metadata.get("run_id")
+    if run_id and tracking_ready(store):
+        try:
+            from mlflow import MlflowClient
+
+            MlflowClient(tracking_uri=store).log_artifacts(run_id, str(out), "attribution")
+        except Exception as err:  # the report is written; logging is a bonus
+            _warn(f"could not log the report to MLflow run {run_id}: {_first_line(err)}")
+    return report
+
+
+_ALIAS_URI = re.compile(r"models:/(?P<name>[^/@]+)@[^/]+/?")
+
+
+def _load_scoring_model(metadata: dict[str, Any], store: str) -> LoadedModel | None:
+    """The exact model version that wrote the scores (an alias may have moved since)."""
+    from journeys.packaging import load_model
+    from journeys.score import tracking_ready
+
+    uri = metadata.get("model_uri")
+    if not uri:
+        _warn("the scores do not name their model: integrated gradients skipped")
+        return None
+    match = _ALIAS_URI.fullmatch(uri)
+    if match and metadata.get("model_version"):
+        uri = f"models:/{match['name']}/{metadata['model_version']}"
+    if uri.startswith(("models:/", "runs:/")) and not tracking_ready(store):
+        _warn(f"no MLflow store at {store}: integrated gradients skipped")
+        return None
+    try:
+        return load_model(uri, tracking_uri=store)
+    except InputError as err:
+        _warn(f"{err}: integrated gradients skipped")
+        return None
+
+
+def print_credit(report: AttributionReport) -> None:
+    """The credit table, one row per touchpoint, one column per method (shares in %)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    credit = report.credit
+    methods = [c for c in credit.columns if c in METHODS]
+    table = Table(title=f"credit by {report.summary['touchpoint_dimension']} (converting journeys)")
+    table.add_column("touchpoint")
+    for method in methods:
+        table.add_column(method.replace("_", " "), justify="right")
+    for row in credit.iter_rows(named=True):
+        table.add_row(row["touchpoint"], *[f"{100 * row[m]:.1f}%" for m in methods])
+    Console().print(table)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _figure(width: float, height: float) -> Figure:
+    # Figure without pyplot: no global state, no GUI backend, safe in threads and flows.
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
+
+
+def plot_credit(credit: pl.DataFrame, dimension: str) -> Figure:
+    """Grouped bars: each method's credit share per touchpoint."""
+    methods = [c for c in credit.columns if c in METHODS]
+    labels = credit.get_column("touchpoint").to_list()
+    figure = _figure(max(6.0, 0.9 * len(labels) * max(1, len(methods)) / 3), 4.0)
+    ax = figure.subplots()
+    width = 0.8 / max(1, len(methods))
+    x = np.arange(len(labels))
+    for i, method in enumerate(methods):
+        ax.bar(x + i * width, credit.get_column(method).to_numpy(), width, label=method)
+    ax.set_xticks(x + 0.4 - width / 2, labels, rotation=30, ha="right")
+    ax.set_ylabel("share of conversions")
+    ax.set_title(f"Credit by {dimension}, per method")
+    if labels:
+        ax.legend(fontsize="small")
+    return figure
+
+
+def plot_position(by_position: pl.DataFrame) -> Figure:
+    """Mean attention per event by position from the end, per outcome."""
+    figure = _figure(6.0, 3.5)
+    ax = figure.subplots()
+    for (outcome,), part in by_position.group_by("outcome", maintain_order=True):
+        part = part.sort("position_from_end")
+        ax.plot(part["position_from_end"], part["mean_attention"], marker="o", label=outcome)
+    ax.set_xlabel(f"position from the end (0 = last event, {POSITION_CAP} = that far or more)")
+    ax.set_ylabel("mean attention per event")
+    if by_position.height:
+        ax.legend(fontsize="small")
+    return figure
+
+
+def plot_examples(examples: pl.DataFrame, max_events: int = EXAMPLE_EVENTS) -> Figure:
+    """Heatmap of attention over the last events of a few journeys, cells labelled by type."""
+    rows = examples.select(
+        "journey_id",
+        pl.col("attention").list.tail(max_events),
+        pl.col("event_type").list.tail(max_events),
+        *(["conversion_probability"] if "conversion_probability" in examples.columns else []),
+    ).to_dicts()
+    width = max(len(r["attention"]) for r in rows)
+    grid = np.full((len(rows), width), np.nan)
+    for i, row in enumerate(rows):
+        grid[i, : len(row["attention"])] = row["attention"]
+    figure = _figure(max(6.0, 0.6 * width), 0.6 * len(rows) + 1.5)
+    ax = figure.subplots()
+    image = ax.imshow(grid, aspect="auto", cmap="viridis")
+    for i, row in enumerate(rows):
+        for j, event in enumerate(row["event_type"]):
+            ax.text(j, i, str(event)[:6], ha="center", va="center", fontsize=6, color="white")
+    labels = [
+        f"{r['journey_id'][:18]}  p={r.get('conversion_probability', float('nan')):.2f}"
+        for r in rows
+    ]
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xlabel(f"event (last {max_events} at most)")
+    ax.set_title("Attention over events of high-scoring journeys")
+    figure.colorbar(image, ax=ax, label="attention")
+    return figure
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _warn(message: str) -> None:
+    print(f"journeys attribute: warning: {message}", file=sys.stderr)

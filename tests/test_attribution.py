@@ -1,0 +1,200 @@
+"""Attribution: Markov removal effects worked out by hand, first/last/linear rules,
+attention aggregation, integrated gradients' completeness, the report and its command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from test_score import config_for, journeys_folder, save_tiny_model, settings
+
+from journeys.attribution import (
+    CONVERTED,
+    METHODS,
+    attention_by,
+    attention_by_position,
+    build_report,
+    integrated_gradients,
+    markov_attribution,
+    rule_based_credit,
+)
+from journeys.cli import main
+from journeys.model import JourneyTransformer, ModelConfig
+from journeys.score import score_command
+from journeys.vocab import Vocabularies
+
+# Five journeys over two channels A and B (label 1 = converted):
+#   J1: A B      -> conversion
+#   J2: A        -> null
+#   J3: B        -> conversion
+#   J4: B        -> null
+#   J5: A B A B  -> conversion
+PATHS = [(["A", "B"], 1), (["A"], 0), (["B"], 1), (["B"], 0), (["A", "B", "A", "B"], 1)]
+
+
+def scores_frame(paths: list[tuple[list[str], int]] = PATHS) -> pl.LazyFrame:
+    """A scores-like frame: channel = the path, event_type = one type, uniform attention."""
+    return pl.LazyFrame(
+        {
+            "journey_id": [f"j{i + 1}" for i in range(len(paths))],
+            "conversion_probability": [0.5] * len(paths),
+            "event_type": [["view"] * len(p) for p, _ in paths],
+            "channel": [p for p, _ in paths],
+            "attention": [[1.0 / len(p)] * len(p) for p, _ in paths],
+            "label": [label for _, label in paths],
+            "censored": [False] * len(paths),
+        },
+        schema_overrides={"attention": pl.List(pl.Float32), "label": pl.Int8},
+    )
+
+
+def test_markov_removal_effects_match_the_hand_calculation() -> None:
+    """By hand, from the transition counts of PATHS:
+
+    start -> A: 3 (J1, J2, J5)      start -> B: 2 (J3, J4)       => P(start->A) = 3/5, ->B 2/5
+    A -> B: 3 (J1, J5 twice)        A -> null: 1 (J2)            => P(A->B) = 3/4, A->null 1/4
+    B -> conv: 3 (J1, J3, J5)       B -> null: 1 (J4), B -> A: 1 (J5)
+                                                           => P(B->conv) = 3/5, ->null 1/5, ->A 1/5
+    Conversion probabilities a (from A), b (from B):
+        a = 3/4 b,  b = 3/5 + 1/5 a  =>  b = 3/5 + 3/20 b  =>  b = (3/5) / (17/20) = 12/17,
+        a = 9/17;  P(conv) = 3/5 a + 2/5 b = (27 + 24) / 85 = 51/85 = 3/5
+        (= the observed 3 conversions in 5 journeys, as a fitted chain must give).
+    Remove A (B -> A goes to null):  b' = 3/5,  P = 2/5 * 3/5 = 6/25;  RE_A = 1 - (6/25)/(3/5) = 3/5.
+    Remove B (A -> B goes to null):  a' = 0,    P = 0;               RE_B = 1.
+    Shares: A = (3/5) / (8/5) = 3/8 = 0.375,  B = 1 / (8/5) = 5/8 = 0.625.
+    """
+    paths = pl.LazyFrame(
+        {"touchpoints": [p for p, _ in PATHS], "converted": [bool(y) for _, y in PATHS]}
+    )
+    result = markov_attribution(paths)
+    assert result.conversion_probability == pytest.approx(3 / 5, abs=1e-9)
+    removal = {row["touchpoint"]: row for row in result.removal.iter_rows(named=True)}
+    assert removal["A"]["removal_effect"] == pytest.approx(3 / 5, abs=1e-9)
+    assert removal["B"]["removal_effect"] == pytest.approx(1.0, abs=1e-9)
+    assert removal["A"]["p_without"] == pytest.approx(6 / 25, abs=1e-9)
+    assert removal["A"]["markov"] == pytest.approx(3 / 8, abs=1e-9)
+    assert removal["B"]["markov"] == pytest.approx(5 / 8, abs=1e-9)
+
+    transitions = {
+        (r["from"], r["to"]): (r["count"], r["probability"])
+        for r in result.transitions.iter_rows(named=True)
+    }
+    assert transitions[("(start)", "A")] == (3, pytest.approx(3 / 5))
+    assert transitions[("B", "A")] == (1, pytest.approx(1 / 5))
+    assert transitions[("A", "(null)")] == (1, pytest.approx(1 / 4))
+
+    # The same numbers reach the report's credit table.
+    credit = build_report(scores_frame()).credit
+    markov = dict(zip(credit["touchpoint"], credit["markov"], strict=True))
+    assert markov["A"] == pytest.approx(3 / 8, abs=1e-9)
+    assert markov["B"] == pytest.approx(5 / 8, abs=1e-9)
+
+
+def test_first_last_and_linear_on_a_tiny_example() -> None:
+    """Converted journeys J1 (A B), J3 (B), J5 (A B A B):
+    first touch A, B, A -> A 2/3, B 1/3;  last touch B, B, B -> B 1;
+    linear: J1 A 1/2 B 1/2, J3 B 1, J5 A 1/2 B 1/2 -> A 1/3, B 2/3."""
+    converted = pl.LazyFrame({"touchpoints": [p for p, y in PATHS if y]})
+    credit = {r["touchpoint"]: r for r in rule_based_credit(converted).iter_rows(named=True)}
+    assert credit["A"]["first_touch"] == pytest.approx(2 / 3)
+    assert credit["B"]["first_touch"] == pytest.approx(1 / 3)
+    assert credit["A"]["last_touch"] == 0.0
+    assert credit["B"]["last_touch"] == pytest.approx(1.0)
+    assert credit["A"]["linear"] == pytest.approx(1 / 3)
+    assert credit["B"]["linear"] == pytest.approx(2 / 3)
+
+
+def test_credit_columns_each_sum_to_one() -> None:
+    credit = build_report(scores_frame()).credit
+    for method in ("attention", "first_touch", "last_touch", "linear", "markov"):
+        assert credit[method].sum() == pytest.approx(1.0), method
+    # Uniform attention is linear credit.
+    np.testing.assert_allclose(credit["attention"].to_numpy(), credit["linear"].to_numpy())
+
+
+def test_attention_tables_by_event_type_channel_and_position() -> None:
+    scores = pl.LazyFrame(
+        {
+            "journey_id": ["x", "y", "z"],
+            "event_type": [["view", "cart"], ["view", "view", "cart"], ["view"]],
+            "channel": [["A", None], ["B", "A", "A"], ["B"]],
+            "attention": [[0.2, 0.8], [0.1, 0.3, 0.6], [1.0]],
+            "label": [1, 1, 0],
+            "censored": [False, False, False],
+        },
+        schema_overrides={"attention": pl.List(pl.Float32)},
+    )
+    by_type = attention_by(scores, "event_type").filter(pl.col("outcome") == CONVERTED)
+    cart = by_type.filter(pl.col("event_type") == "cart").row(0, named=True)
+    assert cart["events"] == 2
+    assert cart["attention"] == pytest.approx(1.4)
+    assert cart["attention_share"] == pytest.approx(1.4 / 2)  # 2 converting journeys
+    assert cart["lift"] == pytest.approx((1.4 / 2) / (2 / 5))
+    by_channel = attention_by(scores, "channel").filter(pl.col("outcome") == CONVERTED)
+    assert "(none)" in by_channel["channel"].to_list()  # a missing channel is a value
+    by_position = attention_by_position(scores).filter(pl.col("outcome") == CONVERTED)
+    last = by_position.filter(pl.col("position_from_end") == 0).row(0, named=True)
+    assert last["events"] == 2
+    assert last["mean_attention"] == pytest.approx(0.7)
+
+
+def test_integrated_gradients_are_complete() -> None:
+    """IG sums to logit(input) - logit(baseline), the baseline being padding embeddings."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=9, feature_vocab_sizes=(5,), n_time_buckets=6, d_model=16)
+    config = ModelConfig(**{**config.to_dict(), "n_heads": 2, "dropout": 0.0, "max_len": 8})
+    model = JourneyTransformer(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.3 if param.dim() > 1 else 0.1)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    tokens = torch.randint(2, 9, mask.shape) * mask
+    features = torch.randint(2, 5, (2, 1, 6)) * mask[:, None]
+    buckets = torch.randint(1, 6, mask.shape) * mask
+
+    attributions = integrated_gradients(model, tokens, features, buckets, mask, steps=256)
+    with torch.no_grad():
+        logits = model(tokens, features, buckets, mask).logits
+        embeddings = [model.event_embedding, model.time_embedding, *model.feature_embeddings]
+        hooks = [e.register_forward_hook(lambda m, i, o: o * 0) for e in embeddings]
+        baseline = model(tokens, features, buckets, mask).logits
+        for hook in hooks:
+            hook.remove()
+    assert (attributions[~mask] == 0).all()
+    np.testing.assert_allclose(
+        attributions.sum(dim=1).numpy(), (logits - baseline).numpy(), rtol=1e-2, atol=1e-3
+    )
+
+
+def test_attribute_command_writes_tables_plots_and_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    journeys = journeys_folder(tmp_path / "journeys", n=120)
+    model = save_tiny_model(tmp_path / "model", Vocabularies.load(journeys))
+    score_command(
+        config_for(tmp_path), model_uri=str(model), input_path=str(journeys), attribute=False
+    )
+    assert not (tmp_path / "reports").exists()
+    assert main(["attribute", *settings(tmp_path)]) == 0
+    report = tmp_path / "reports"
+    for table in (
+        "credit",
+        "attention_by_event_type",
+        "attention_by_channel",
+        "markov_transitions",
+    ):
+        assert (report / f"{table}.parquet").exists() and (report / f"{table}.csv").exists()
+    for plot in ("credit_by_touchpoint.png", "attention_examples.png"):
+        assert (report / plot).read_bytes()[:4] == b"\x89PNG"
+    credit = pl.read_parquet(report / "credit.parquet")
+    assert credit.columns == ["dimension", "touchpoint", *METHODS]  # IG from the scores' model
+    for method in METHODS:
+        assert credit[method].sum() == pytest.approx(1.0), method
+    assert "credit by channel" in capsys.readouterr().out
+
+    code = main(["attribute", "--scores", str(tmp_path / "nowhere"), *settings(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "scores not found" in err

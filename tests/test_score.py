@@ -1,0 +1,381 @@
+"""Batch scoring: one row per journey, valid attention, the model's own preprocessing and
+vocabularies, one-line errors, empty input, MLflow logging."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from conftest import EVENT_TYPES, make_journeys_dataset
+
+from journeys import packaging
+from journeys.cli import main
+from journeys.config import load_config
+from journeys.data import JourneyCollator, encode_journeys
+from journeys.ingest import run_ingest
+from journeys.model import JourneyTransformer, ModelConfig
+from journeys.score import (
+    is_journeys_dataset,
+    read_metadata,
+    score_command,
+    score_frame,
+    scores_schema,
+    scoring_config,
+)
+from journeys.vocab import UNK_ID, Vocabularies
+
+MAX_EVENTS = 16  # below the fixture's longest journeys (20): scoring must cut the lists
+TINY = ["model.d_model=16", "model.n_heads=2", "model.n_layers=2", "model.dropout=0"]
+CONTRACT_COLUMNS = [
+    *("journey_id", "user_id", "n_events", "conversion_probability", "event_type"),
+    *("event_time", "attention", "model_uri", "model_version", "scored_at"),
+]
+
+
+def journeys_folder(folder: Path, n: int = 240, seed: int = 0) -> Path:
+    """The conftest dataset, laid out as ingest writes it (part files + vocab.json)."""
+    make_journeys_dataset(folder, n=n, seed=seed)
+    (folder / "journeys.parquet").rename(folder / "part-00000.parquet")
+    return folder
+
+
+def save_tiny_model(
+    folder: Path, vocabs: Vocabularies, *overrides: str, temperature: float = 1.0
+) -> Path:
+    """A tiny random transformer saved as the five model files (no training needed).
+
+    Weights are scrambled so that outputs and attention really depend on the input.
+    """
+    config = load_config(None, [*TINY, f"journey.max_events={MAX_EVENTS}", *overrides])
+    torch.manual_seed(0)
+    model = JourneyTransformer(ModelConfig.from_config(config.model, vocabs, MAX_EVENTS)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.3 if param.dim() > 1 else 0.1)
+    preprocessing = packaging.preprocessing_settings(config)
+    packaging.save_model_files(folder, model, vocabs, preprocessing, temperature)
+    return folder
+
+
+def settings(tmp: Path, *extra: str) -> list[str]:
+    """--set arguments that keep every output (and any MLflow store) inside `tmp`."""
+    pairs = [
+        f"paths.journeys={tmp / 'journeys'}",
+        f"paths.scores={tmp / 'scores'}",
+        f"paths.reports={tmp / 'reports'}",
+        f"mlflow.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
+        *extra,
+    ]
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+def config_for(tmp: Path, *extra: str):
+    return load_config(None, settings(tmp, *extra)[1::2])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(journeys folder, model folder), shared by the tests of this module."""
+    root = tmp_path_factory.mktemp("score")
+    journeys = journeys_folder(root / "journeys")
+    model = save_tiny_model(root / "model", Vocabularies.load(journeys))
+    return journeys, model
+
+
+def direct_forward(model_dir: Path, frame: pl.DataFrame, attention: str | None = None):
+    """The same model, loaded again, run by hand on `frame`: (probabilities, attention)."""
+    loaded = packaging.load_model(str(model_dir))
+    encoded = encode_journeys(frame, loaded.vocabs, loaded.model.config.n_time_buckets, MAX_EVENTS)
+    batch = JourneyCollator(encoded)(list(range(len(encoded))))
+    with torch.no_grad():
+        out = loaded.model(
+            batch.tokens, batch.features, batch.time_buckets, batch.mask, attention=attention
+        )
+    probability = torch.sigmoid(out.logits.double() / loaded.temperature).numpy()
+    weights = None
+    if out.attention is not None:
+        weights = [row[mask].numpy() for row, mask in zip(out.attention, batch.mask, strict=True)]
+    return probability, weights
+
+
+# --- the scores ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["pooled", "rollout"])
+def test_one_row_per_journey_and_valid_attention(
+    setup: tuple[Path, Path], tmp_path: Path, mode: str
+) -> None:
+    journeys, model = setup
+    # Small chunks and batches: several part files, several forward passes per chunk.
+    config = config_for(
+        tmp_path, "score.chunk_journeys=70", "score.batch_size=16", f"score.attention={mode}"
+    )
+    result = score_command(config, model_uri=str(model), input_path=str(journeys))
+    source = pl.read_parquet(journeys / "part-00000.parquet")
+    scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
+
+    assert result.rows == scores.height == source.height
+    assert result.parts == len(list((tmp_path / "scores").glob("part-*.parquet"))) == 4
+    assert sorted(scores["journey_id"]) == sorted(source["journey_id"])
+    assert scores["censored"].sum() == source["censored"].sum() > 0  # censored ones scored too
+    assert set(CONTRACT_COLUMNS) <= set(scores.columns)
+    assert scores.schema["conversion_probability"] == pl.Float64
+    assert scores.schema["attention"] == pl.List(pl.Float32)
+    assert scores["conversion_probability"].is_between(0, 1).all()
+
+    lengths = scores.select(
+        n=pl.col("n_events"),
+        types=pl.col("event_type").list.len(),
+        times=pl.col("event_time").list.len(),
+        weights=pl.col("attention").list.len(),
+        channels=pl.col("channel").list.len(),
+    )
+    for column in lengths.columns[1:]:
+        assert (lengths[column] == lengths["n"]).all(), column
+    assert lengths["n"].max() == MAX_EVENTS  # longer journeys cut to what the model read
+    flat = scores["attention"].explode()
+    assert flat.null_count() == 0 and not flat.is_nan().any() and (flat >= 0).all()
+    sums = scores["attention"].list.sum().to_numpy()
+    np.testing.assert_allclose(sums, 1.0, atol=1e-5)
+    assert scores["model_uri"].unique().to_list() == [str(model)]
+    assert scores["scored_at"].null_count() == 0
+    assert read_metadata(tmp_path / "scores")["attention"] == mode
+    assert (tmp_path / "reports" / "credit.csv").exists()
+
+
+def test_probability_and_attention_equal_a_direct_forward_pass(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    journeys, model = setup
+    score_command(config_for(tmp_path), model_uri=str(model), input_path=str(journeys))
+    scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
+    source = pl.read_parquet(journeys / "part-00000.parquet")
+    frame = source.join(scores.select("journey_id"), on="journey_id").sample(25, seed=1)
+    probability, weights = direct_forward(model, frame, attention="pooled")
+    expected = frame.select("journey_id").with_columns(
+        expected=pl.Series(probability), weights=pl.Series(weights)
+    )
+    joined = expected.join(scores, on="journey_id")
+    np.testing.assert_allclose(
+        joined["conversion_probability"].to_numpy(), joined["expected"].to_numpy(), atol=1e-6
+    )
+    for got, want in zip(joined["attention"], joined["weights"], strict=True):
+        np.testing.assert_allclose(got.to_numpy(), want.to_numpy(), atol=1e-6)
+
+
+def test_probability_is_calibrated_by_the_model_temperature(setup: tuple[Path, Path]) -> None:
+    journeys, model = setup
+    frame = pl.read_parquet(journeys / "part-00000.parquet").head(10)
+    loaded = packaging.load_model(str(model))
+    plain = score_frame(loaded, frame)["conversion_probability"].to_numpy()
+    loaded.temperature = 2.0
+    calibrated = score_frame(loaded, frame)["conversion_probability"].to_numpy()
+    logits = np.log(plain / (1 - plain))
+    np.testing.assert_allclose(calibrated, 1 / (1 + np.exp(-logits / 2.0)), atol=1e-9)
+
+
+def test_causal_model_exports_prefix_probabilities(tmp_path: Path) -> None:
+    journeys = journeys_folder(tmp_path / "journeys", n=60)
+    model = save_tiny_model(tmp_path / "model", Vocabularies.load(journeys), "model.causal=true")
+    score_command(config_for(tmp_path), model_uri=str(model), input_path=str(journeys))
+    scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
+    assert scores.schema["prefix_probability"] == pl.List(pl.Float64)
+    last = scores["prefix_probability"].list.last().to_numpy()
+    np.testing.assert_allclose(last, scores["conversion_probability"].to_numpy(), atol=1e-12)
+    assert (scores["prefix_probability"].list.len() == scores["n_events"]).all()
+
+
+# --- raw logs: the model's preprocessing and vocabularies, never refitted ---------------
+
+
+def raw_log() -> pl.DataFrame:
+    """Two users' raw events in the model's column names; `imp` needs the model's
+    event_map, `teleport` was never seen in training, `buy` is the model's conversion."""
+    rows = [
+        ("a", "2026-01-01T10:00:00Z", "imp", "display", "mobile"),
+        ("a", "2026-01-01T10:05:00Z", "teleport", "email", "desktop"),
+        ("a", "2026-01-01T10:09:00Z", "add_to_cart", "search", "mobile"),
+        ("a", "2026-01-01T10:10:00Z", "buy", "search", "mobile"),
+        ("a", "2026-01-20T09:00:00Z", "click", "brand_new_channel", "watch"),
+        ("b", "2026-01-02T08:00:00Z", "search", "search", "tablet"),
+        ("b", "2026-01-02T08:01:00Z", "teleport", "display", "tablet"),
+        ("b", "2026-01-19T08:01:00Z", "impression", "display", "tablet"),
+    ]
+    names = ["user_id", "timestamp", "event_type", "channel", "device"]
+    return pl.DataFrame(rows, schema=names, orient="row")
+
+
+def test_raw_log_is_ingested_with_the_model_settings_and_vocabularies(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    journeys, _ = setup
+    vocabs = Vocabularies.load(journeys)
+    assert "teleport" not in vocabs.event_type.tokens
+    model = save_tiny_model(
+        tmp_path / "model",
+        vocabs,
+        "data.event_map={imp: impression}",
+        "data.conversion_events=[buy]",
+    )
+    raw = tmp_path / "raw.csv"
+    raw_log().write_csv(raw)
+    # The current configuration disagrees with the model on purpose: the model wins.
+    config = config_for(tmp_path, "data.features=[channel]", "data.conversion_events=[purchase]")
+    result = score_command(config, model_uri=str(model), input_path=str(raw))
+    scores = pl.read_parquet(tmp_path / "scores" / "*.parquet").sort("journey_id")
+
+    loaded = packaging.load_model(str(model))
+    expected = run_ingest(
+        scoring_config(config, loaded.preprocessing),
+        raw=raw,
+        journeys_folder=tmp_path / "expected",
+        quarantine_folder=tmp_path / "q",
+    ).journeys.sort("journey_id")
+    assert result.rows == scores.height == expected.height == 4  # a's 2 + b's 2, censored too
+    assert scores["label"].to_list() == expected["label"].to_list()
+    assert scores["label"].sum() == 1  # `buy` converted, as the model's settings say
+    assert {"channel", "device"} <= set(scores.columns)  # the model's features, not config's
+    first = scores.filter(pl.col("user_id") == "a").row(0, named=True)
+    assert first["event_type"] == ["impression", "teleport", "add_to_cart"]  # event_map applied
+
+    # The unseen event is the unknown token: renaming it to another unseen name changes
+    # nothing, and the probability is the model's on the journey encoded with its vocabs.
+    assert Vocabularies.load(model).to_json() == vocabs.to_json()  # nothing refitted
+    renamed = expected.with_columns(
+        pl.col("event_type").list.eval(pl.element().replace("teleport", "warp_drive"))
+    )
+    encoded = encode_journeys(renamed, loaded.vocabs, loaded.model.config.n_time_buckets)
+    assert (encoded.tokens == UNK_ID).sum() == 2
+    probability, _ = direct_forward(model, renamed)
+    np.testing.assert_allclose(scores["conversion_probability"].to_numpy(), probability, atol=1e-6)
+    np.testing.assert_allclose(scores["attention"].list.sum().to_numpy(), 1.0, atol=1e-5)
+
+
+def test_empty_input_gives_an_empty_file_with_the_full_schema(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    journeys, model = setup
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pl.read_parquet(journeys / "part-00000.parquet").head(0).write_parquet(
+        empty / "part-00000.parquet"
+    )
+    (empty / "vocab.json").write_bytes((journeys / "vocab.json").read_bytes())
+    result = score_command(config_for(tmp_path), model_uri=str(model), input_path=str(empty))
+    assert result.rows == 0
+    assert "empty scores file" in capsys.readouterr().out
+    scores = pl.read_parquet(tmp_path / "scores" / "part-00000.parquet")
+    assert scores.height == 0
+    features = ["channel", "device"]
+    optional = ["label", "censored", "split", "n_events_total"]
+    assert scores.schema == scores_schema(features, optional)
+    assert set(CONTRACT_COLUMNS) <= set(scores.columns)
+
+
+# --- one-line errors ------------------------------------------------------------------------
+
+
+def test_bad_model_or_input_exits_2_with_one_line(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    journeys, model = setup
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "part-00000.parquet").write_bytes(b"PAR1 not really parquet")
+    (broken / "vocab.json").write_bytes((journeys / "vocab.json").read_bytes())
+    no_device = tmp_path / "no_device"
+    no_device.mkdir()
+    pl.read_parquet(journeys / "part-00000.parquet").drop("device").write_parquet(
+        no_device / "part-00000.parquet"
+    )
+    (no_device / "vocab.json").write_bytes((journeys / "vocab.json").read_bytes())
+    other_columns = tmp_path / "other.csv"
+    pl.DataFrame({"visitor": ["a"], "ts": ["2026-01-01"], "action": ["x"]}).write_csv(other_columns)
+
+    cases = [
+        ([], "no MLflow store"),  # default champion, no store at all
+        (["--model", str(tmp_path / "nope")], "not found"),
+        (["--model", str(model), "--input", str(tmp_path / "missing.csv")], "input not found"),
+        (["--model", str(model), "--input", str(broken)], "cannot read"),
+        (["--model", str(model), "--input", str(no_device)], "lack column(s) ['device']"),
+        (["--model", str(model), "--input", str(other_columns)], "missing column"),
+    ]
+    for args, needle in cases:
+        code = main(["score", *args, *settings(tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        assert len(err.strip().splitlines()) == 1, err
+        assert needle in err, err
+        assert "Traceback" not in err
+    assert not (tmp_path / "mlflow.db").exists()  # scoring never creates a store
+    assert not (tmp_path / "scores").exists()  # nothing half-written
+
+
+def test_missing_alias_in_an_existing_store_exits_2(
+    setup: tuple[Path, Path], tmp_path: Path, mlflow_env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlflow import MlflowClient
+
+    MlflowClient(tracking_uri=mlflow_env).search_experiments()  # creates the store
+    capsys.readouterr()  # MLflow's own log lines about creating it
+    for uri in ("models:/journey-conversion@champion", "models:/nope/3"):
+        code = main(["score", "--model", uri, *settings(tmp_path)])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"model {uri} not found" in err
+
+
+# --- MLflow ---------------------------------------------------------------------------------
+
+
+def test_champion_is_scored_and_the_run_logged(
+    setup: tuple[Path, Path], tmp_path: Path, mlflow_env: str
+) -> None:
+    import mlflow
+    from mlflow import MlflowClient
+
+    journeys, model_dir = setup
+    loaded = packaging.load_model(str(model_dir))
+    mlflow.set_tracking_uri(mlflow_env)
+    mlflow.set_experiment("journeys")
+    with mlflow.start_run():
+        info = packaging.log_model(loaded.model, loaded.vocabs, loaded.preprocessing)
+    client = MlflowClient(tracking_uri=mlflow_env)
+    version = mlflow.register_model(info.model_uri, "journey-conversion").version
+    client.set_registered_model_alias("journey-conversion", "champion", version)
+
+    result = score_command(config_for(tmp_path), input_path=str(journeys))
+    scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
+    assert scores["model_version"].unique().to_list() == [str(version)]
+    assert scores["model_uri"].unique().to_list() == ["models:/journey-conversion@champion"]
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["rows"] == str(scores.height)
+    assert run.data.params["model_uri"] == "models:/journey-conversion@champion"
+    logged = {a.path for a in client.list_artifacts(result.run_id, "attribution")}
+    assert {"attribution/credit.csv", "attribution/credit_by_touchpoint.png"} <= logged
+    assert read_metadata(tmp_path / "scores")["run_id"] == result.run_id
+
+
+def test_journeys_datasets_are_told_apart_from_raw_logs(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    journeys, _ = setup
+    assert is_journeys_dataset(journeys)
+    bare = tmp_path / "bare"  # journeys without vocab.json: still journeys (lists inside)
+    bare.mkdir()
+    (bare / "part-00000.parquet").write_bytes((journeys / "part-00000.parquet").read_bytes())
+    assert is_journeys_dataset(bare)
+    raw = tmp_path / "raw"  # raw events that happen to be named part-*.parquet
+    raw.mkdir()
+    raw_log().write_parquet(raw / "part-00000.parquet")
+    assert not is_journeys_dataset(raw)
+    assert not is_journeys_dataset(tmp_path / "raw" / "part-00000.parquet")
+
+
+def test_event_types_of_the_fixture_are_known() -> None:
+    """Guard for the raw-log test: its known events must be in the fixture's vocabulary."""
+    assert {"impression", "add_to_cart", "click", "search"} <= set(EVENT_TYPES)
