@@ -1,0 +1,158 @@
+"""Training throughput of the transformer on one device: bf16 against fp32, default and large.
+
+One prepared script for a single device call: for each model size and precision it runs
+`--steps` optimiser steps on random journeys (after `--warmup` steps), and prints
+journeys/s, tokens/s, achieved TFLOP/s and model FLOPs utilisation (MFU) against the
+device's peak. FLOPs are counted analytically (matmuls only, forward + backward = 3x
+forward), as in the PaLM / nanoGPT MFU estimates.
+
+    python benchmarks/gpu.py                         # on a GPU: default and large sizes
+    python benchmarks/gpu.py --quick                 # tiny sizes, runs on CPU too
+    python benchmarks/gpu.py --peak-tflops 989       # peak bf16 dense TFLOP/s of the device
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from journeys.model import JourneyTransformer, ModelConfig  # noqa: E402
+
+# Dense bf16 peak (TFLOP/s) by device name; fp32 runs are compared with the same peak.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0}
+VOCAB, FEATURE_VOCABS, TIME_BUCKETS = 64, (16, 8), 32
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    batch: int
+
+
+SIZES = [Size("default", 64, 2, 4, 64, 256), Size("large", 512, 6, 8, 256, 128)]
+QUICK_SIZES = [Size("tiny", 32, 1, 2, 16, 32), Size("small", 64, 2, 4, 32, 32)]
+
+
+def forward_flops_per_token(size: Size) -> float:
+    """Matmul FLOPs per token of one forward pass: QKV+out (8d²), attention (4Ld), FFN (16d²)."""
+    d, length = size.d_model, size.seq_len
+    return size.n_layers * (24 * d * d + 4 * length * d)
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def measure(size: Size, precision: str, device: torch.device, steps: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=VOCAB,
+        feature_vocab_sizes=FEATURE_VOCABS,
+        n_time_buckets=TIME_BUCKETS,
+        d_model=size.d_model,
+        n_heads=size.n_heads,
+        n_layers=size.n_layers,
+        max_len=size.seq_len,
+    )
+    model = JourneyTransformer(config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    b, length = size.batch, size.seq_len
+    tokens = torch.randint(2, VOCAB, (b, length), device=device)
+    features = torch.stack(
+        [torch.randint(2, v, (b, length), device=device) for v in FEATURE_VOCABS], dim=1
+    )
+    buckets = torch.randint(1, TIME_BUCKETS, (b, length), device=device)
+    mask = torch.ones(b, length, dtype=torch.bool, device=device)
+    labels = torch.randint(0, 2, (b,), device=device).float()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def step() -> None:
+        with autocast:
+            logits = model(tokens, features, buckets, mask).logits.float()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    seconds = time.perf_counter() - start
+    journeys_per_s = steps * b / seconds
+    tokens_per_s = journeys_per_s * length
+    tflops = 3 * forward_flops_per_token(size) * tokens_per_s / 1e12
+    return {
+        "size": size.name,
+        "precision": precision,
+        "params": model.num_parameters(),
+        "journeys_per_s": journeys_per_s,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: no silent TF32
+    peak = peak_tflops(device, args.peak_tflops)
+    sizes = QUICK_SIZES if args.quick else SIZES
+    steps, warmup = (5, 2) if args.quick else (args.steps, args.warmup)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device: {name}; peak {peak or 'unknown'} TFLOP/s; torch {torch.__version__}")
+    rows = []
+    for size in sizes:
+        for precision in ("fp32", "bf16"):
+            row = measure(size, precision, device, steps, warmup)
+            row["mfu"] = row["tflops"] / peak if peak else None
+            rows.append(row)
+            mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "n/a"
+            print(
+                f"{row['size']:>8} {precision:>5}  {row['params']:>11,} params  "
+                f"{row['journeys_per_s']:>11,.0f} journeys/s  {row['tokens_per_s']:>13,.0f} "
+                f"tokens/s  {row['tflops']:8.2f} TFLOP/s  MFU {mfu}"
+            )
+    for size in sizes:
+        fp32, bf16 = (r for r in rows if r["size"] == size.name)
+        print(
+            f"{size.name}: bf16 / fp32 throughput = {bf16['tokens_per_s'] / fp32['tokens_per_s']:.2f}x"
+        )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
