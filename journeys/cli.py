@@ -58,10 +58,12 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from journeys.ingest import scan_journeys
     from journeys.tracking import check_tracking_uri, tracking_uri
 
     config = _config(args)
     # Fail fast, before torch and Lightning are even imported.
+    scan_journeys(config.paths.journeys)
     check_tracking_uri(tracking_uri(config))
     from journeys.train import train_command
 

@@ -8,6 +8,7 @@ Files are written to a temporary name in the same folder and renamed into place
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -79,14 +80,21 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     try:
         yield staging
         _fsync_dir(staging)
-        aside = target.with_name(f".{target.name}.old")
-        if aside.exists():
-            shutil.rmtree(aside)
-        if target.exists():
-            os.replace(target, aside)
-        os.replace(staging, target)
-        _fsync_dir(target.parent)
-        shutil.rmtree(aside, ignore_errors=True)
+        # Two runs may finish at once: serialise the two renames with a lock on the parent
+        # folder (no lock file left behind), so the last swap wins whole.
+        parent = os.open(target.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(parent, fcntl.LOCK_EX)
+            aside = target.with_name(f".{target.name}.old")
+            if aside.exists():
+                shutil.rmtree(aside)
+            if target.exists():
+                os.replace(target, aside)
+            os.replace(staging, target)
+            _fsync_dir(target.parent)
+            shutil.rmtree(aside, ignore_errors=True)
+        finally:
+            os.close(parent)  # closing releases the lock
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
