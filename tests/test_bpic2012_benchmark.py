@@ -151,6 +151,14 @@ def test_amount_bands_are_half_octaves():
     assert bands == ["4096", "4096", "5793", "0", "0", "92682", "0"]
 
 
+def test_elapsed_bands_are_half_octaves_of_hours():
+    elapsed = pl.DataFrame(
+        {"elapsed": [timedelta(0), timedelta(hours=1), timedelta(hours=3), timedelta(days=30)]}
+    )
+    bands = elapsed.select(bench.elapsed_band_expr(pl.col("elapsed"))).to_series().to_list()
+    assert bands == ["0", "2", "4", "18"]
+
+
 @pytest.fixture(scope="module")
 def sample_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bench.SettingResult]:
     """Both settings on the sample: two tiny models for one epoch each, 5 boosting rounds."""
@@ -202,9 +210,10 @@ def test_every_prefix_of_every_test_case_gets_a_probability(sample_run, setting)
 
 def test_leak_free_sequences_hold_no_outcome_event(tmp_path: Path):
     outcome_events = {"O_ACCEPTED", "O_DECLINED", "O_CANCELLED", "A_APPROVED", "A_DECLINED"}
-    log, _ = bench.prepare_log(bench.SAMPLE_RAW, tmp_path)
     seen = {}
     for setting in bench.SETTINGS:
+        config = bench.make_config(setting, bench.SAMPLE_RAW, tmp_path)
+        log = bench.prepare_log(bench.SAMPLE_RAW, tmp_path, config).path
         config = bench.make_config(setting, log, tmp_path)
         journeys = bench.ingest_cases(config)
         seen[setting] = set(journeys.get_column("event_type").explode().unique().to_list())
@@ -215,7 +224,8 @@ def test_leak_free_sequences_hold_no_outcome_event(tmp_path: Path):
 def test_one_causal_pass_scores_each_prefix_as_if_scored_alone(tmp_path: Path):
     from journeys.model import JourneyTransformer, ModelConfig
 
-    log, _ = bench.prepare_log(bench.SAMPLE_RAW, tmp_path)
+    config = bench.make_config("reference", bench.SAMPLE_RAW, tmp_path, ["vocab.min_count=1"])
+    log = bench.prepare_log(bench.SAMPLE_RAW, tmp_path, config).path
     config = bench.make_config("reference", log, tmp_path, ["vocab.min_count=1"])
     journeys = bench.ingest_cases(config).head(6)
     frame = journeys.with_columns(
