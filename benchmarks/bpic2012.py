@@ -13,17 +13,21 @@ CC BY 4.0) with the product's own pipeline:
   are removed (the reference's `split_data_strict`);
 - sequences: the product's ingest (`run_ingest`) on a config derived from
   `conf/bpic2012.yaml` by overrides only: one case is one journey, `data.drop_events` per
-  setting (below); the first 40 events of each case are kept;
+  setting (below); the first 40 events of each case are kept. The log it ingests is the raw
+  log plus two derived categorical columns (`prepare_log`): the requested amount's band and
+  the time since the case's first event, as the product has no numeric features;
 - the transformer: the product's `JourneyTransformer` with `model.causal=true`, trained with
   the product's `JourneyModule` (optimiser, schedule, prior-initialised head) but with the
   loss at EVERY prefix position (the causal head gives a logit after each event, so one pass
-  trains on all prefixes 1..40, as the reference trains on all prefixes); each test case is
-  scored in ONE pass and the logit after event k is the prediction for the prefix of length k;
+  trains on all prefixes 1..40, as the reference trains on all prefixes), early-stopped on
+  the val cases' protocol AUC; each test case is scored in ONE pass and the logit after
+  event k is the prediction for the prefix of length k. Three seeds, probabilities averaged;
 - the baseline: scikit-learn's HistGradientBoostingClassifier on the reference's
   aggregation encoding (counts of activity-lifecycle and resource in the prefix; mean, max,
   min, sum and std of the event's hour, weekday, month, minutes since midnight, since the
   previous event and since the case start, and the event number; the requested amount),
-  fitted on every prefix 1..40 of the train cases;
+  fitted on every prefix 1..40 of the train cases, its number of rounds chosen on val, then
+  refitted on train + val;
 - the metric: ROC AUC per prefix length k = 1..40 (over the test cases with at least k
   events) and their average weighted by the number of test cases of each length; lengths
   whose test prefixes hold one class only have no AUC and are left out of the average.
@@ -35,7 +39,9 @@ Two settings:
   setting COMPARABLE to the published figures.
 - `leak_free`: `conf/bpic2012.yaml` as shipped: the outcome events and what only follows an
   outcome are dropped by configuration (`data.drop_events`; A_APPROVED is the conversion and
-  `journey.after_conversion: drop` cuts what follows it), so no prefix shows its label.
+  `journey.after_conversion: drop` cuts what follows it). No prefix holds an outcome event;
+  work items that close at the outcome (a call-back item completed when the offer is
+  cancelled, say) stay, as they are not outcome events.
 
 Usage::
 
@@ -43,8 +49,9 @@ Usage::
     .venv/bin/python benchmarks/bpic2012.py --quick          # smoke run: tiny model, 2 epochs
     .venv/bin/python benchmarks/bpic2012.py --tasks declined --settings leak_free --epochs 10
 
-Prints one table and ends with one JSON line of the transformer AUCs. Work files (journeys,
-per-prefix results) go under `data/bench/bpic2012/`.
+Prints one table and ends with one JSON line of the transformer AUCs. Work files (the
+derived log, journeys, `results.json` with AUCs per prefix length) go under
+`data/bench/bpic2012/`. Every model runs on one thread (`limited_threads`).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -1188,8 +1196,9 @@ def main(argv: list[str] | None = None) -> None:
         "command": "python benchmarks/bpic2012.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f} at the end; Python {platform.python_version()}, "
+        f"torch {torch.__version__}; 1 thread per model (see limited_threads)",
         "overrides": overrides,
         "seconds": round(seconds, 1),
     }

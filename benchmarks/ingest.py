@@ -16,10 +16,15 @@ The job, identical for every engine (the product's rules, CONTRACT.md sections 2
 - write the journeys as Parquet.
 
 Each engine runs in its own fresh child process, so its peak memory (the kernel's high-water
-mark, `ru_maxrss` of the child itself) is its own. The wall time is the job's alone (from
+mark of the child's resident set, `VmHWM`) is its own. The wall time is the job's alone (from
 reading the CSV to the last Parquet byte written); interpreter start and imports are not
-counted. The CSV is read once before every run so that every engine sees a warm page cache.
-After the runs, the outputs are compared journey by journey.
+counted. `cpu s` is the child's whole user + system CPU time, all threads (interpreter start
+and imports included: 0.1-0.4 s). `background` is the share of the machine's CPUs that other
+processes used meanwhile: on a shared machine wall times grow with it while CPU seconds
+barely move. The CSV is read once before every run so that every engine sees a warm page
+cache; `--quiet` waits for idle CPUs first. With `--repeat`, the fastest run counts (and the
+highest peak). After the runs, the outputs are compared journey by journey and row by row.
+A run over `--timeout` (e.g. pandas on a big input) is reported as skipped.
 
 Usage::
 
@@ -356,7 +361,7 @@ def run_pandas(csv: Path, out: Path) -> dict[str, float]:
 
 def child(engine: str, csv: Path, out: Path, partitions: int) -> None:
     """Run one engine and print one JSON line: wall time, peak RSS, phase times."""
-    rss_start = _maxrss_mb()
+    rss_start = _rss_mb("VmRSS")
     start = time.perf_counter()
     if engine == "journeys":
         phases = run_journeys(csv, out, partitions)
@@ -367,14 +372,22 @@ def child(engine: str, csv: Path, out: Path, partitions: int) -> None:
     wall = time.perf_counter() - start
     print(
         json.dumps(
-            {"wall_s": wall, "peak_mb": _maxrss_mb(), "start_mb": rss_start, "phases": phases}
+            {"wall_s": wall, "peak_mb": _rss_mb("VmHWM"), "start_mb": rss_start, "phases": phases}
         )
     )
 
 
-def _maxrss_mb() -> float:
-    """The process's peak resident set size so far (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _rss_mb(field: str) -> float:
+    """This process's current (`VmRSS`) or peak (`VmHWM`) resident set size, in MiB.
+
+    Not `ru_maxrss`: Linux carries it over from the parent into a child started with
+    fork/vfork + exec, so a child would report the parent's peak when that is higher.
+    `VmHWM` belongs to the process image and starts afresh at exec.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux
 
 
 # --- parent: data, runs, checks, table ---------------------------------------------------------
@@ -390,7 +403,7 @@ class Run:
     cpu_s: float | None = None  # the best repeat's CPU seconds (user + system)
     background: float | None = None  # the best repeat's CPU share used by other processes
     peak_mb: float | None = None  # the highest of the repeats
-    start_mb: float | None = None  # the child's peak RSS before the job (interpreter, imports)
+    start_mb: float | None = None  # the child's RSS when the job starts (interpreter, argparse)
     phases: dict[str, float] = field(default_factory=dict)  # the best repeat's
     counts: dict[str, int] = field(default_factory=dict)
     note: str = ""
