@@ -168,6 +168,7 @@ journeys AS (
     SELECT user_id,
            min(ts) FILTER (WHERE NOT conv) AS start_time,
            max(ts) AS end_time,
+           max(ts) FILTER (WHERE NOT conv) AS last_event_time,
            count(*) FILTER (WHERE NOT conv) AS n_events_total,
            bool_or(conv) AS label,  -- a purchase can only be a journey's last event
            list(struct_pack(event_type, ts, channel, device)
@@ -182,16 +183,21 @@ SELECT user_id || '-' || epoch_us(start_time) AS journey_id,
        least(n_events_total, $max_events)::INTEGER AS n_events,
        n_events_total::INTEGER AS n_events_total,
        label::TINYINT AS label,
-       NOT label AND (SELECT epoch_us(max(ts)) FROM events) - epoch_us(end_time) <= $max_gap_us
-           AS censored,
+       NOT label AND near_end AS censored,
+       near_end,
        seq[-$max_events:] AS seq
-FROM journeys
+FROM (
+    SELECT *,
+           (SELECT epoch_us(max(ts)) FROM events) - epoch_us(last_event_time) <= $max_gap_us
+               AS near_end
+    FROM journeys
+)
 """
 
 DUCKDB_CUTS = """
 WITH ends AS (
     SELECT end_time, row_number() OVER (ORDER BY end_time) - 1 AS i, count(*) OVER () AS n
-    FROM built WHERE NOT censored
+    FROM built WHERE NOT near_end  -- censored, or converted as late: no split
 )
 SELECT max(end_time) FILTER (WHERE i = least(floor(n * $val), n - 1)) AS val_cut,
        max(end_time) FILTER (WHERE i = least(floor(n * $test), n - 1)) AS test_cut
@@ -202,7 +208,7 @@ DUCKDB_WRITE = """
 COPY (
     SELECT journey_id, user_id, start_time, end_time, n_events, n_events_total, label,
            censored,
-           CASE WHEN censored THEN 'none'
+           CASE WHEN near_end THEN 'none'
                 WHEN end_time < $val_cut THEN 'train'
                 WHEN end_time < $test_cut THEN 'val'
                 ELSE 'test' END AS split,
@@ -324,7 +330,9 @@ def run_pandas(csv: Path, out: Path) -> dict[str, float]:
     )
     seq = events[~conv]
     by_seq = seq.groupby("journey", sort=False)
-    starts = by_seq.agg(start_time=("ts", "first"), n_events_total=("ts", "size"))
+    starts = by_seq.agg(
+        start_time=("ts", "first"), last_event_time=("ts", "last"), n_events_total=("ts", "size")
+    )
     tail = seq[by_seq.cumcount(ascending=False) < MAX_EVENTS]
     lists = tail.groupby("journey", sort=False)[["event_type", "ts", *FEATURES]].agg(list)
     lists = lists.rename(columns={"ts": "event_time"})
@@ -335,16 +343,15 @@ def run_pandas(csv: Path, out: Path) -> dict[str, float]:
     journeys["n_events"] = journeys["n_events_total"].clip(upper=MAX_EVENTS).astype("int32")
     journeys["n_events_total"] = journeys["n_events_total"].astype("int32")
     journeys["label"] = journeys["label"].astype("int8")
-    journeys["censored"] = (journeys["label"] == 0) & (
-        data_end - journeys["end_time"] <= pd.Timedelta(microseconds=MAX_GAP_US)
-    )
-    end_times = np.sort(journeys.loc[~journeys["censored"], "end_time"].to_numpy())
+    near_end = data_end - journeys["last_event_time"] <= pd.Timedelta(microseconds=MAX_GAP_US)
+    journeys["censored"] = (journeys["label"] == 0) & near_end
+    end_times = np.sort(journeys.loc[~near_end, "end_time"].to_numpy())
     n = len(end_times)
     val_cut = end_times[min(int(n * FRACTIONS[0]), n - 1)]
     test_cut = end_times[min(int(n * (FRACTIONS[0] + FRACTIONS[1])), n - 1)]
     end = journeys["end_time"].to_numpy()
     journeys["split"] = np.where(
-        journeys["censored"],
+        near_end,
         "none",
         np.where(end < val_cut, "train", np.where(end < test_cut, "val", "test")),
     )

@@ -129,6 +129,10 @@ class Journey(Section):
 
 class Split(Section):
     fractions: tuple[float, float, float] = (0.7, 0.15, 0.15)
+    # Converted journeys whose last event is within journey.max_gap of the data's end take
+    # no split, like the censored unconverted ones beside them; false keeps them, which
+    # over-states the test conversion rate (see ingest.unsplit_expr).
+    exclude_recent_conversions: bool = True
 
     @field_validator("fractions")
     @classmethod

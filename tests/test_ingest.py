@@ -292,6 +292,65 @@ def test_hand_made_journeys(tmp_path: Path) -> None:
     assert converted["journey_id"] == expected_id
 
 
+@pytest.mark.parametrize("exclude", [True, False])
+def test_late_converted_journeys_take_no_split_unless_configured(
+    tmp_path: Path, exclude: bool
+) -> None:
+    rows = [
+        ("a", "2026-01-01T10:00:00Z", "search"),  # early, unconverted: train
+        ("b", "2026-01-02T10:00:00Z", "search"),  # early, converted: train
+        ("b", "2026-01-02T10:05:00Z", "purchase"),
+        ("c", "2026-01-28T00:00:00Z", "search"),  # late, converted: near the end
+        ("c", "2026-01-28T00:05:00Z", "purchase"),
+        ("d", "2026-01-30T00:00:00Z", "search"),  # late, unconverted: censored
+        ("e", "2026-02-01T00:00:00Z", "page_view"),  # the data's end
+    ]
+    frame = pl.DataFrame(rows, schema=["user_id", "timestamp", "event_type"], orient="row")
+    frame.with_columns(channel=pl.lit("email"), device=pl.lit("m")).write_csv(tmp_path / "e.csv")
+    config = config_for(
+        tmp_path / "e.csv",
+        tmp_path,
+        f"split.exclude_recent_conversions={str(exclude).lower()}",
+        "split.fractions=[1.0,0.0,0.0]",
+    )
+    result = run_ingest(config)
+    by_user = {j["user_id"]: j for j in result.journeys.iter_rows(named=True)}
+    assert by_user["c"]["label"] == 1 and not by_user["c"]["censored"]  # the contract's rule
+    assert by_user["c"]["split"] == ("none" if exclude else "train")
+    assert by_user["d"]["censored"] and by_user["d"]["split"] == "none"
+    assert by_user["a"]["split"] == by_user["b"]["split"] == "train"
+    assert result.report["journeys_converted_near_end"] == (1 if exclude else 0)
+    assert result.report["journeys_censored"] == 2  # d and e
+    assert result.report["journeys_by_split"]["none"] == (3 if exclude else 2)
+
+
+def test_test_split_conversion_rate_is_not_inflated_by_censoring(tmp_path: Path) -> None:
+    """Selecting late journeys on their label would raise the test rate above the truth."""
+    from journeys.simulate import simulate
+
+    simulate(tmp_path / "raw", users=10_000, seed=0)
+    truth = pl.read_parquet(tmp_path / "raw" / "_truth" / "journeys.parquet")
+    rates = {}
+    for exclude in (True, False):
+        config = config_for(
+            tmp_path / "raw", tmp_path, f"split.exclude_recent_conversions={str(exclude).lower()}"
+        )
+        test = (
+            run_ingest(config)
+            .journeys.filter(pl.col("split") == "test")
+            .join(truth.select("journey_id", "true_probability"), on="journey_id")
+        )
+        rates[exclude] = test.select(
+            excess=pl.col("label").mean() - pl.col("true_probability").mean(),
+            stderr=(pl.col("true_probability") * (1 - pl.col("true_probability"))).sum().sqrt()
+            / pl.len(),
+        ).row(0, named=True)
+    # Label-blind exclusion: the realised rate matches the true one within 3 standard errors;
+    # keeping the late converted journeys inflates it far beyond (0.7 and 8 here).
+    assert abs(rates[True]["excess"]) < 3 * rates[True]["stderr"]
+    assert rates[False]["excess"] > 5 * rates[False]["stderr"]
+
+
 def test_no_conversion_inside_sequences_and_splits_are_ordered(tmp_path: Path) -> None:
     clean_log(n_users=200, seed=1).write_csv(tmp_path / "e.csv")
     config = config_for(tmp_path / "e.csv", tmp_path, "journey.max_events=5")
