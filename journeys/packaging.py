@@ -60,6 +60,7 @@ def preprocessing_settings(config: Config) -> dict[str, Any]:
         "n_time_buckets": config.model.time_buckets,
         "max_events": journey.max_events,
         "max_gap": journey.max_gap,
+        "after_conversion": journey.after_conversion,
         "conversion_events": list(data.conversion_events),
         "drop_events": list(data.drop_events),
         "event_map": dict(data.event_map),

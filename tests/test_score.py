@@ -379,3 +379,15 @@ def test_journeys_datasets_are_told_apart_from_raw_logs(
 def test_event_types_of_the_fixture_are_known() -> None:
     """Guard for the raw-log test: its known events must be in the fixture's vocabulary."""
     assert {"impression", "add_to_cart", "click", "search"} <= set(EVENT_TYPES)
+
+
+def test_after_conversion_travels_with_the_model(setup: tuple[Path, Path], tmp_path: Path) -> None:
+    """A model trained with `after_conversion: drop` rebuilds scoring journeys the same way."""
+    journeys, _ = setup
+    model = save_tiny_model(
+        tmp_path / "model", Vocabularies.load(journeys), "journey.after_conversion=drop"
+    )
+    loaded = packaging.load_model(str(model))
+    assert loaded.preprocessing["after_conversion"] == "drop"
+    current = config_for(tmp_path)  # the default: new_journey
+    assert scoring_config(current, loaded.preprocessing).journey.after_conversion == "drop"
