@@ -20,8 +20,10 @@ CC BY 4.0) with the product's own pipeline:
   the product's `JourneyModule` (optimiser, schedule, prior-initialised head) but with the
   loss at EVERY prefix position (the causal head gives a logit after each event, so one pass
   trains on all prefixes 1..40, as the reference trains on all prefixes), early-stopped on
-  the val cases' protocol AUC; each test case is scored in ONE pass and the logit after
-  event k is the prediction for the prefix of length k. Three seeds, probabilities averaged;
+  the val cases' protocol AUC, then (like the baseline) retrained from scratch on train +
+  val for the early-stopped number of epochs (`--no-refit` skips this); each test case is
+  scored in ONE pass and the logit after event k is the prediction for the prefix of
+  length k. Three seeds, probabilities averaged;
 - the baseline: scikit-learn's HistGradientBoostingClassifier on the reference's
   aggregation encoding (counts of activity-lifecycle and resource in the prefix; mean, max,
   min, sum and std of the event's hour, weekday, month, minutes since midnight, since the
@@ -675,6 +677,19 @@ def score_prefixes(
     return pl.concat(parts).sort(["case_row", "prefix_len"])
 
 
+def _no_cases(encoded: EncodedJourneys) -> EncodedJourneys:
+    """An empty `EncodedJourneys` (no validation: train for the fixed number of epochs)."""
+    return replace(
+        encoded,
+        tokens=encoded.tokens[:0],
+        features=encoded.features[:, :0],
+        time_buckets=encoded.time_buckets[:0],
+        offsets=encoded.offsets[:1],
+        labels=encoded.labels[:0],
+        journey_ids=None,
+    )
+
+
 @dataclass
 class Ensemble:
     members: list[TrainedModel]
@@ -688,9 +703,13 @@ def train_ensemble(
     encoded: dict[str, EncodedJourneys],
     seeds: int,
     test_rows: pl.DataFrame,
+    refit: bool = True,
 ) -> Ensemble:
     """`seeds` transformers (seeds train.seed, +1, ...), each scoring every test prefix.
 
+    With `refit`, each seed's early-stopped epoch count is kept and a fresh model is trained
+    for that many epochs on train + val (`encoded["train_val"]`), as the boosting baseline
+    is refitted: the val cases are the latest before the test period, the most like it.
     Probabilities come back in `test_rows` order (`case_row`, `prefix_len`); a test prefix
     without a probability is an error.
     """
@@ -699,6 +718,15 @@ def train_ensemble(
         member_config = config.model_copy(deep=True)
         member_config.train.seed = config.train.seed + offset
         trained = train_transformer(member_config, vocabs, encoded["train"], encoded["val"])
+        if refit and trained.best_epoch:
+            refit_config = member_config.model_copy(deep=True)
+            refit_config.train.max_epochs = trained.best_epoch
+            refitted = train_transformer(
+                refit_config, vocabs, encoded["train_val"], _no_cases(encoded["val"])
+            )
+            trained = replace(
+                trained, model=refitted.model, seconds=trained.seconds + refitted.seconds
+            )
         trained.seed = member_config.train.seed
         scored = score_prefixes(trained.model, encoded["test"])
         aligned = test_rows.join(scored, on=["case_row", "prefix_len"], how="left")
@@ -932,14 +960,18 @@ def run_setting(
     seeds: int = SEEDS,
     log: Any = print,
     threads: int | None = 1,
+    refit: bool = True,
 ) -> SettingResult:
     """Ingest, label, split, then per task train and score both models on every prefix.
 
     The transformer is `seeds` models (seeds `train.seed`, `train.seed + 1`, ...) whose
-    probabilities are averaged; each is also reported alone.
+    probabilities are averaged; each is also reported alone. With `refit` each is retrained
+    on train + val for its early-stopped number of epochs (see `train_ensemble`).
     """
     with limited_threads(threads):
-        return _run_setting(setting, raw, tasks, workdir, extra_overrides, hgb_max_iter, seeds, log)
+        return _run_setting(
+            setting, raw, tasks, workdir, extra_overrides, hgb_max_iter, seeds, log, refit
+        )
 
 
 def _run_setting(
@@ -951,6 +983,7 @@ def _run_setting(
     hgb_max_iter: int,
     seeds: int,
     log: Any,
+    refit: bool,
 ) -> SettingResult:
     started = time.perf_counter()
     config = make_config(setting, raw, workdir, extra_overrides)
@@ -980,7 +1013,14 @@ def _run_setting(
         encoded = {
             role: encode_cases(part, vocabs, config, y[role]) for role, part in parts.items()
         }
-        ensemble = train_ensemble(config, vocabs, encoded, seeds, test_rows)
+        if refit:
+            encoded["train_val"] = encode_cases(
+                pl.concat([parts["train"], parts["val"]]),
+                vocabs,
+                config,
+                np.concatenate([y["train"], y["val"]]),
+            )
+        ensemble = train_ensemble(config, vocabs, encoded, seeds, test_rows, refit)
         boosting = fit_boosting(
             parts["train"],
             parts["val"],
@@ -1017,6 +1057,7 @@ def _run_setting(
             details={
                 "positive_rate_test": float(y["test"].mean()),
                 "transformer_seeds": [m.seed for m in ensemble.members],
+                "transformer_refit_on_train_val": refit,
                 "transformer_auc_per_seed": [
                     prefix_auc(lengths, labels, p) for p in ensemble.member_probabilities
                 ],
@@ -1159,6 +1200,12 @@ def main(argv: list[str] | None = None) -> None:
         "--seeds", type=int, default=None, help=f"transformers per task (default {SEEDS})"
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 epochs")
+    parser.add_argument(
+        "--no-refit",
+        dest="refit",
+        action="store_false",
+        help="score the early-stopped transformers (trained on train only) as they are",
+    )
     parser.add_argument("--workdir", default=str(WORKDIR))
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override"
@@ -1189,6 +1236,7 @@ def main(argv: list[str] | None = None) -> None:
                 overrides,
                 hgb_max_iter=hgb_iter,
                 seeds=seeds,
+                refit=args.refit,
             )
         )
     seconds = time.perf_counter() - started

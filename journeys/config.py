@@ -171,6 +171,10 @@ class Model(Section):
     n_layers: Annotated[int, Field(ge=1)] = 2
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.1
     positional: Literal["sinusoidal", "learned", "none"] = "sinusoidal"
+    # Count positions from the journey's last event ("end": recency is one embedding) or
+    # from its first; "auto" is "end", and "start" for causal models, whose prefixes
+    # cannot know how far the end is.
+    position_origin: Literal["auto", "start", "end"] = "auto"
     norm: Literal["pre", "post"] = "pre"
     pooling: Literal["cls", "mean", "last"] = "cls"
     causal: bool = False
@@ -180,7 +184,15 @@ class Model(Section):
     def _heads_divide(self) -> Model:
         if self.d_model % self.n_heads:
             raise ValueError("d_model must be divisible by n_heads")
+        if self.causal and self.position_origin == "end":
+            raise ValueError("a causal model counts positions from the start (position_origin)")
         return self
+
+    @property
+    def resolved_position_origin(self) -> Literal["start", "end"]:
+        if self.position_origin == "auto":
+            return "start" if self.causal else "end"
+        return self.position_origin
 
 
 class Train(Section):

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from journeys.vocab import Vocabularies
 
 Positional = Literal["sinusoidal", "learned", "none"]
+PositionOrigin = Literal["start", "end"]
 Norm = Literal["pre", "post"]
 Pooling = Literal["cls", "mean", "last"]
 AttentionMode = Literal["pooled", "rollout"]
@@ -57,6 +58,7 @@ class ModelConfig:
     n_layers: int = 2
     dropout: float = 0.1
     positional: Positional = "sinusoidal"
+    position_origin: PositionOrigin = "start"
     norm: Norm = "pre"
     pooling: Pooling = "cls"
     causal: bool = False
@@ -67,11 +69,15 @@ class ModelConfig:
             raise ValueError("d_model must be divisible by n_heads")
         for name, allowed in (
             ("positional", get_args(Positional)),
+            ("position_origin", get_args(PositionOrigin)),
             ("norm", get_args(Norm)),
             ("pooling", get_args(Pooling)),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, not {getattr(self, name)!r}")
+        if self.causal and self.position_origin == "end":
+            # a prefix's distance to the journey's end is not known while it is in flight
+            raise ValueError("a causal model counts positions from the start")
         object.__setattr__(self, "feature_vocab_sizes", tuple(self.feature_vocab_sizes))
 
     @property
@@ -93,6 +99,7 @@ class ModelConfig:
             n_layers=model.n_layers,
             dropout=model.dropout,
             positional=model.positional,
+            position_origin=model.resolved_position_origin,
             norm=model.norm,
             pooling=model.pooling,
             causal=model.causal,
@@ -284,7 +291,7 @@ class JourneyTransformer(nn.Module):
             )
         mask = mask.bool()
         lengths = mask.sum(dim=1)
-        x, seq_mask = self._embed(tokens, features, time_buckets, mask)
+        x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths)
         attn_mask = self._attention_mask(seq_mask)
 
         rows, row_weights = self._pooled_queries(seq_mask, lengths)
@@ -321,7 +328,7 @@ class JourneyTransformer(nn.Module):
         return ModelOutput(logits, prefix_logits, exported)
 
     def _embed(
-        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor
+        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor, lengths: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Summed embeddings plus positions [B, L(+1), D], and the mask of that sequence."""
         x = self.event_embedding(tokens) + self.time_embedding(time_buckets)
@@ -331,12 +338,28 @@ class JourneyTransformer(nn.Module):
             batch = x.size(0)
             x = torch.cat([self.cls.expand(batch, 1, -1), x], dim=1)
             mask = torch.cat([mask.new_ones(batch, 1), mask], dim=1)
-        length = x.size(1)
-        if self.position_embedding is not None:
-            x = x + self.position_embedding.weight[:length]
-        elif self.sinusoid is not None:
-            x = x + self.sinusoid[:length]
+        table = self.position_embedding.weight if self.position_embedding is not None else None
+        table = self.sinusoid if table is None else table
+        if table is not None:
+            x = x + table[self._positions(lengths, x.size(1))]
         return self.embedding_dropout(x), mask
+
+    def _positions(self, lengths: Tensor, length: int) -> Tensor:
+        """Position ids [L] (from the start) or [B, L] (from the end; CLS keeps id 0).
+
+        Counted from the end, the last event is position 0 (1 after a CLS token) in every
+        journey: "among the last three events" is one embedding, and a journey cut to its
+        most recent `max_events` keeps the ids its events had before the cut.
+        """
+        index = torch.arange(length, device=lengths.device)
+        if self.config.position_origin == "start":
+            return index
+        shift = int(self.cls is not None)
+        from_end = (lengths[:, None] - 1 + 2 * shift) - index  # CLS (index 0) -> len + shift
+        from_end = from_end.clamp(min=shift)  # padding: any id, it is masked
+        if self.cls is not None:
+            from_end[:, 0] = 0
+        return from_end
 
     def _attention_mask(self, seq_mask: Tensor) -> Tensor:
         """Bool mask for SDPA, True = may attend: [B, 1, 1, L], or [B, 1, L, L] if causal."""

@@ -67,6 +67,8 @@ VARIANTS = [
     dict(pooling="mean"),
     dict(pooling="last"),
     dict(causal=True),
+    dict(pooling="cls", position_origin="end"),
+    dict(pooling="mean", position_origin="end", positional="learned"),
 ]
 NORMS = ["pre", "post"]
 LENGTHS = [5, 1, 9, 3]
@@ -112,6 +114,23 @@ def test_event_order_changes_the_logits(variant: dict) -> None:
     original = model(**inputs).logits
     permuted = model(**reversed_inputs).logits
     assert (original - permuted).abs().min() > 1e-4
+
+
+def test_positions_from_the_end_give_the_last_events_the_same_ids() -> None:
+    """Counted from the end, the last event has one id whatever the journey's length."""
+    model = tiny(position_origin="end", pooling="last", positional="learned")
+    lengths = torch.tensor([5, 1, 9])
+    ids = model._positions(lengths, 9)
+    last = ids.gather(1, (lengths - 1)[:, None]).squeeze(1)
+    assert last.tolist() == [0, 0, 0]
+    assert ids[2].tolist() == list(range(8, -1, -1))
+    with_cls = tiny(position_origin="end", pooling="cls")._positions(lengths, 10)
+    assert with_cls[:, 0].tolist() == [0, 0, 0]  # the CLS token
+    assert with_cls.gather(1, lengths[:, None]).squeeze(1).tolist() == [1, 1, 1]
+    start = tiny(pooling="last")._positions(lengths, 9)  # the default: one row for all
+    assert start.tolist() == list(range(9))
+    with pytest.raises(ValueError, match="causal"):
+        tiny(causal=True, position_origin="end")
 
 
 def test_without_positions_mean_pooling_is_order_blind() -> None:
