@@ -64,11 +64,11 @@ def oracle_metrics(config, truth: Path) -> dict[str, float]:
     """The simulator's true probabilities on the test split: the ceiling for every model."""
     import polars as pl
 
-    from journeys.data import read_journeys
+    from journeys.ingest import scan_journeys
     from journeys.metrics import binary_metrics
 
     test = (
-        read_journeys(config.paths.journeys)
+        scan_journeys(config.paths.journeys)
         .filter((pl.col("split") == "test") & ~pl.col("censored"))
         .select("journey_id", "label")
         .collect()

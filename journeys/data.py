@@ -43,6 +43,7 @@ from torch.utils.data import (
 )
 
 from journeys.errors import InputError
+from journeys.ingest import scan_journeys
 from journeys.vocab import PAD_ID, Vocabularies
 
 if TYPE_CHECKING:
@@ -51,10 +52,12 @@ if TYPE_CHECKING:
 SPLITS = ("train", "val", "test")
 
 # Time since the previous event -> bucket 1 + floor(log_GROWTH(1 + gap / UNIT)), so bucket 1
-# is [0, UNIT) (and the first event), bucket 2 [UNIT, 3 UNIT), bucket 3 [3 UNIT, 7 UNIT), ...
-# With 1 s and doubling, 32 buckets reach past a year; a 7-day gap lands in bucket 20.
+# is [0, (GROWTH - 1) UNIT) (and the first event). The buckets always span UNIT .. 2^SPAN_DOUBLINGS UNIT
+# (34 years); `model.time_buckets` sets the resolution: GROWTH = 2^(SPAN_DOUBLINGS / (n - 2)).
+# With 32 buckets each is a doubling (bucket 2 [1 s, 3 s), 3 [3 s, 7 s), ...; 7 days lands in
+# bucket 20); with 62, each is a factor sqrt(2).
 TIME_BUCKET_UNIT_SECONDS = 1.0
-TIME_BUCKET_GROWTH = 2.0
+TIME_BUCKET_SPAN_DOUBLINGS = 30
 # log() of an exact power of the growth may come out a hair low; this keeps it in its bucket.
 _LOG_EPSILON = 1e-9
 
@@ -73,8 +76,9 @@ def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
 
     Id 0 is left for padding. Negative gaps (clock skew) count as 0.
     """
+    growth = 2.0 ** (TIME_BUCKET_SPAN_DOUBLINGS / max(1, n_time_buckets - 2))
     scaled = 1.0 + seconds.cast(pl.Float64).clip(lower_bound=0.0) / TIME_BUCKET_UNIT_SECONDS
-    bucket = 1 + (scaled.log(TIME_BUCKET_GROWTH) + _LOG_EPSILON).floor()
+    bucket = 1 + (scaled.log(growth) + _LOG_EPSILON).floor()
     return bucket.clip(1, max(1, n_time_buckets - 1)).cast(pl.Int64)
 
 
@@ -376,18 +380,6 @@ def make_dataloader(
     )
 
 
-def read_journeys(path: str | Path) -> pl.LazyFrame:
-    """Lazy scan of a journeys dataset: every `*.parquet` in the folder, or one file."""
-    path = Path(path)
-    if path.is_dir():
-        if not any(path.glob("*.parquet")):
-            raise InputError(f"no journeys (*.parquet) in {path}: run `journeys ingest` first")
-        return pl.scan_parquet(path / "*.parquet")
-    if not path.exists():
-        raise InputError(f"journeys not found at {path}: run `journeys ingest` first")
-    return pl.scan_parquet(path)
-
-
 class JourneyDataModule(L.LightningDataModule):
     """Train/val/test loaders from the journeys folder's `split` column; scoring loaders.
 
@@ -452,7 +444,7 @@ class JourneyDataModule(L.LightningDataModule):
         if self.splits:
             return
         frame = (
-            read_journeys(self.journeys_dir)
+            scan_journeys(self.journeys_dir)
             .filter(~pl.col("censored") & pl.col("split").is_in(SPLITS))
             .select("split", *self._columns())
             .collect()
@@ -490,7 +482,7 @@ class JourneyDataModule(L.LightningDataModule):
         """`predict_frame` if given, else every journey in the folder (censored included)."""
         frame = self.predict_frame
         if frame is None:
-            frame = read_journeys(self.journeys_dir).select(self._columns()).collect()
+            frame = scan_journeys(self.journeys_dir).select(self._columns()).collect()
         return self.dataloader_for(frame)
 
     def dataloader_for(self, frame: pl.DataFrame, batch_size: int | None = None) -> DataLoader:

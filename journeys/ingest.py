@@ -64,10 +64,14 @@ def read_journeys(folder: str | Path) -> pl.DataFrame:
     return scan_journeys(folder).collect()
 
 
-def scan_journeys(folder: str | Path) -> pl.LazyFrame:
-    parts = sorted(Path(folder).glob("*.parquet"))
+def scan_journeys(path: str | Path) -> pl.LazyFrame:
+    """Lazy scan of a journeys dataset: every `*.parquet` in the folder, or one file."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"journeys not found at {path}: run `journeys ingest` first")
+    parts = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
     if not parts:
-        raise InputError(f"no journeys in {folder}: run `journeys ingest` first")
+        raise InputError(f"no journeys (*.parquet) in {path}: run `journeys ingest` first")
     return pl.scan_parquet(parts)
 
 

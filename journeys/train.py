@@ -42,8 +42,9 @@ from torchmetrics.classification import BinaryAUROC
 
 from journeys import metrics as M
 from journeys import packaging, tracking
-from journeys.data import SPLITS, EncodedJourneys, JourneyBatch, JourneyDataModule, read_journeys
+from journeys.data import SPLITS, EncodedJourneys, JourneyBatch, JourneyDataModule
 from journeys.errors import InputError, JourneysError
+from journeys.ingest import scan_journeys
 from journeys.model import JourneyTransformer, ModelConfig
 from journeys.vocab import Vocabularies
 
@@ -159,7 +160,7 @@ def check_dataset(config: Config) -> dict[str, dict[str, int]]:
     folder = Path(config.paths.journeys)
     if not folder.is_dir():
         raise InputError(f"journeys dataset not found at {folder}: run `journeys ingest` first")
-    scan = read_journeys(folder)
+    scan = scan_journeys(folder)
     vocabs = Vocabularies.load(folder)
     schema = scan.collect_schema()
     missing = [c for c in (*REQUIRED_COLUMNS, *config.data.features) if c not in schema]
@@ -542,7 +543,7 @@ def _finish(
     baseline_results: list[BaselineResult] = []
     if config.train.baselines:
         frame = (
-            read_journeys(config.paths.journeys)
+            scan_journeys(config.paths.journeys)
             .filter(~pl.col("censored") & pl.col("split").is_in(["train", "test"]))
             .collect()
         )

@@ -64,7 +64,7 @@ def _journey(rng: np.random.Generator, index: int) -> dict:
 
 
 def make_journeys_dataset(folder: str | Path, n: int = 400, seed: int = 0) -> Path:
-    """Write `journeys.parquet`, `vocab.json` and `ingest_report.json` into `folder`."""
+    """Write `part-00000.parquet` (as ingest names it), `vocab.json` and `ingest_report.json`."""
     rng = np.random.default_rng(seed)
     frame = pl.DataFrame(
         [_journey(rng, i) for i in range(n)],
@@ -102,7 +102,7 @@ def make_journeys_dataset(folder: str | Path, n: int = 400, seed: int = 0) -> Pa
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    frame.write_parquet(folder / "journeys.parquet")
+    frame.write_parquet(folder / "part-00000.parquet")
     train = frame.filter(pl.col("split") == "train")
     vocabs = {}
     for column in ("event_type", "channel", "device"):

@@ -71,7 +71,7 @@ def test_last_touch_shrinks_rare_keys_towards_the_base_rate() -> None:
 @pytest.mark.parametrize("bigrams", [False, True])
 def test_learned_baselines_beat_the_prior(tmp_path, bigrams: bool) -> None:
     folder = make_journeys_dataset(tmp_path / "journeys", n=800, seed=3)
-    journeys = pl.read_parquet(folder / "journeys.parquet")
+    journeys = pl.read_parquet(folder / "part-00000.parquet")
     train = journeys.filter(pl.col("split") == "train")
     test = journeys.filter(pl.col("split") == "test")
     labels = test.get_column("label").to_numpy()

@@ -121,8 +121,12 @@ def test_time_buckets_are_log_scaled_and_clipped() -> None:
     seconds = pl.Series([0.0, 0.999, 1.0, 2.9, 3.0, 7.0, 15.0, 1023.0, 1e12, -5.0])
     buckets = pl.select(time_bucket_expr(pl.lit(seconds), 32)).to_series().to_list()
     assert buckets == [1, 1, 2, 2, 3, 4, 5, 11, 31, 1]
+    # More buckets, finer steps over the same span: 62 buckets step by sqrt(2).
+    fine = pl.select(time_bucket_expr(pl.lit(seconds), 62)).to_series().to_list()
+    assert fine == [1, 2, 3, 4, 5, 7, 9, 21, 61, 1]
+    # Fewer, coarser: 8 buckets step by 2^5 (bucket 2 from 31 s, 3 from 1023 s, ...).
     small = pl.select(time_bucket_expr(pl.lit(seconds), 8)).to_series().to_list()
-    assert small == [1, 1, 2, 2, 3, 4, 5, 7, 7, 1]
+    assert small == [1, 1, 1, 1, 1, 1, 1, 3, 7, 1]
 
 
 def test_max_len_keeps_the_most_recent_events(frame: pl.DataFrame) -> None:

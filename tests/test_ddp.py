@@ -34,7 +34,7 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
     from journeys.vocab import Vocabularies
 
     folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
-    n_val = pl.read_parquet(folder / "journeys.parquet").filter(pl.col("split") == "val").height
+    n_val = pl.read_parquet(folder / "part-00000.parquet").filter(pl.col("split") == "val").height
     assert n_val % 2 == 0, "an even val split: DistributedSampler then repeats no journey"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = {

@@ -150,9 +150,8 @@ def scores_frame(folder: Path) -> pl.DataFrame:
 
 
 def journeys_dataset(folder: Path, n: int, seed: int) -> Path:
-    """`make_journeys_dataset`, its Parquet named `part-00000.parquet` as ingest names it."""
+    """`make_journeys_dataset` into `folder`; returns the folder."""
     make_journeys_dataset(folder, n=n, seed=seed)
-    (folder / "journeys.parquet").rename(folder / "part-00000.parquet")
     return folder
 
 

@@ -38,7 +38,6 @@ CONTRACT_COLUMNS = [
 def journeys_folder(folder: Path, n: int = 240, seed: int = 0) -> Path:
     """The conftest dataset, laid out as ingest writes it (part files + vocab.json)."""
     make_journeys_dataset(folder, n=n, seed=seed)
-    (folder / "journeys.parquet").rename(folder / "part-00000.parquet")
     return folder
 
 

@@ -102,14 +102,14 @@ def test_run_logs_every_contract_metric_param_tag_and_plot(trained) -> None:
 
 
 def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, monkeypatch) -> None:
-    from journeys.data import read_journeys
+    from journeys.ingest import scan_journeys
     from journeys.packaging import load_model
     from journeys.tracking import use_tracking_uri
 
     result, config, uri, _ = trained
     monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
     test = (
-        read_journeys(config.paths.journeys)
+        scan_journeys(config.paths.journeys)
         .filter(pl.col("split") == "test")
         .collect()
         .join(result.test_predictions, on="journey_id")
