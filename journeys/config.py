@@ -196,17 +196,17 @@ class Model(Section):
 
 
 class Train(Section):
-    max_epochs: Annotated[int, Field(ge=1)] = 8
+    max_epochs: Annotated[int, Field(ge=1)] = 20
     batch_size: Annotated[int, Field(ge=1)] = 256
     optimizer: Literal["adam", "adamw"] = "adamw"
-    lr: Annotated[float, Field(gt=0)] = 1e-3
+    lr: Annotated[float, Field(gt=0)] = 3e-3
     weight_decay: Annotated[float, Field(ge=0)] = 0.01
-    warmup_steps: Annotated[int, Field(ge=0)] = 200
-    schedule: Literal["inverse_sqrt", "cosine"] = "inverse_sqrt"
+    warmup_steps: Annotated[int, Field(ge=0)] = 100
+    schedule: Literal["inverse_sqrt", "cosine"] = "cosine"
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     pos_weight: Annotated[float, Field(gt=0)] | None = None
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
-    patience: Annotated[int, Field(ge=1)] = 3
+    patience: Annotated[int, Field(ge=1)] = 5
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     devices: int | str = 1
     num_nodes: Annotated[int, Field(ge=1)] = 1
