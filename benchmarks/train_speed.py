@@ -2,8 +2,11 @@
 
 Runs the product's training path (Lightning `JourneyModule`, the length-grouped loader,
 the configured precision and device) for a fixed number of optimiser steps on random
-journeys, and times the steps after a warm-up. With `--compare-grouping` it also runs
-plain (unsorted) batches, to show what length grouping saves in padding.
+journeys, and times the steps after a warm-up. In the same run it trains the reference:
+the same embeddings, pooling and head around `torch.nn.TransformerEncoder` of the same
+size (same parameter count), on the same batches in the same loop, and prints the ratio.
+With `--compare-grouping` it also runs plain (unsorted) batches, to show what length
+grouping saves in padding.
 
 Usage::
 
@@ -55,7 +58,41 @@ def random_journeys(n: int, mean_events: float, max_len: int, vocab_sizes: list[
     )
 
 
-def run(config, encoded, steps: int, warmup: int, group_by_length: bool) -> dict[str, float]:
+def torch_encoder_model(model_config):
+    """`JourneyTransformer` with its blocks replaced by `torch.nn.TransformerEncoder`."""
+    from torch import nn
+
+    from journeys.model import JourneyTransformer, ModelOutput
+
+    class TorchEncoderTransformer(JourneyTransformer):
+        def __init__(self, config) -> None:
+            super().__init__(config)
+            layer = nn.TransformerEncoderLayer(
+                config.d_model,
+                config.n_heads,
+                dim_feedforward=4 * config.d_model,
+                dropout=config.dropout,
+                activation="gelu",
+                batch_first=True,
+                norm_first=config.norm == "pre",
+            )
+            self.blocks = nn.ModuleList()
+            self.encoder = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
+
+        def forward(self, tokens, features, time_buckets, mask, attention=None):
+            mask = mask.bool()
+            lengths = mask.sum(dim=1)
+            x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths)
+            h = self.ln_f(self.encoder(x, src_key_padding_mask=~seq_mask))
+            pooled = self._pool(h, mask, (lengths - 1).clamp(min=0))
+            return ModelOutput(self.head(pooled).squeeze(-1))
+
+    return TorchEncoderTransformer(model_config)
+
+
+def run(
+    config, encoded, steps: int, warmup: int, group_by_length: bool, reference: bool = False
+) -> dict[str, float]:
     import lightning as L
     import torch
 
@@ -74,12 +111,15 @@ def run(config, encoded, steps: int, warmup: int, group_by_length: bool) -> dict
         n_layers=config.model.n_layers,
         dropout=config.model.dropout,
         positional=config.model.positional,
+        position_origin=config.model.resolved_position_origin,
         norm=config.model.norm,
         pooling=config.model.pooling,
         causal=config.model.causal,
         max_len=config.journey.max_events,
     )
     module = JourneyModule(model_config, settings)
+    if reference:
+        module.model = torch_encoder_model(model_config)
     loader = make_dataloader(
         encoded,
         settings.batch_size,
@@ -134,6 +174,7 @@ def run(config, encoded, steps: int, warmup: int, group_by_length: bool) -> dict
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     )
     return {
+        "model": "torch.nn.TransformerEncoder" if reference else "journeys",
         "group_by_length": group_by_length,
         "steps_timed": measured,
         "ms_per_step": 1000 * elapsed / measured,
@@ -170,7 +211,14 @@ def main() -> None:
     encoded = random_journeys(
         args.journeys, args.mean_events, config.journey.max_events, sizes, config.train.seed
     )
-    results = [run(config, encoded, args.steps, args.warmup, group_by_length=True)]
+    # Interleaved A B B A, best of two each: both models see the same machine load, and
+    # neither always runs first (the first run in a process pays one-off start-up costs).
+    ours, theirs = [], []
+    for reference in (False, True, True, False):
+        result = run(config, encoded, args.steps, args.warmup, True, reference=reference)
+        (theirs if reference else ours).append(result)
+    best = [max(runs, key=lambda r: r["journeys_per_s"]) for runs in (ours, theirs)]
+    results = list(best)
     if args.compare_grouping:
         results.append(run(config, encoded, args.steps, args.warmup, group_by_length=False))
 
@@ -181,10 +229,13 @@ def main() -> None:
     )
     for r in results:
         print(
-            f"  grouped={r['group_by_length']!s:5}  {r['ms_per_step']:8.1f} ms/step  "
+            f"  {r['model']:<28} grouped={r['group_by_length']!s:5}  {r['parameters']:,} params"
+            f"  {r['ms_per_step']:8.1f} ms/step  "
             f"{r['journeys_per_s']:9.0f} journeys/s  {r['events_per_s']:10.0f} events/s  "
-            f"padding {r['padding_share']:.0%}  peak {r['peak_memory_mib']:.0f} MiB"
+            f"padding {r['padding_share']:.0%}  process peak so far {r['peak_memory_mib']:.0f} MiB"
         )
+    ratio = best[0]["journeys_per_s"] / best[1]["journeys_per_s"]
+    print(f"journeys/s, this model / torch.nn.TransformerEncoder: {ratio:.2f} (target >= 1)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))
