@@ -159,11 +159,14 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
         raise InputError(f"{path}: missing column(s) {', '.join(missing)}; see data.columns")
 
     ts_raw = pl.col(raw_names["timestamp"])
-    return frame.select(
+    # with_row_index streams; an int_range over pl.len() would make the scan collect first
+    # (1.3 GB instead of 0.85 GB peak at 10M events, same output).
+    index = "__journeys_row_index"  # not ROW: the raw file may have a `row_number` column
+    return frame.with_row_index(index, offset=1).select(
         *[pl.col(raw).cast(pl.String).alias(logical) for logical, raw in raw_names.items()],
         _parse_timestamp(ts_raw, schema[raw_names["timestamp"]], data).alias(TS),
         pl.lit(str(path)).alias(SOURCE),
-        pl.int_range(1, pl.len() + 1, dtype=pl.Int64).alias(ROW),
+        pl.col(index).cast(pl.Int64).alias(ROW),
     )
 
 

@@ -570,3 +570,13 @@ def test_simulated_log_gives_same_journeys_shuffled_split_and_dirty(tmp_path: Pa
     truth = pl.read_parquet(tmp_path / "clean" / "_truth" / "journeys.parquet")
     assert clean.equals(messy)
     assert set(clean.get_column("journey_id")) == set(truth.get_column("journey_id"))
+
+
+def test_a_raw_column_named_like_an_internal_one_is_harmless(tmp_path: Path) -> None:
+    """A log may carry its own `row_number` / `source_file` columns; ours do not clash."""
+    log = clean_log(n_users=5).with_columns(
+        row_number=pl.lit(-1), source_file=pl.lit("elsewhere.csv")
+    )
+    log.write_csv(tmp_path / "e.csv")
+    result = run_ingest(config_for(tmp_path / "e.csv", tmp_path))
+    assert result.report["rows_read"] == log.height == result.report["rows_valid"]
