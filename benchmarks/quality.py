@@ -78,6 +78,91 @@ def oracle_metrics(config, truth: Path) -> dict[str, float]:
     return binary_metrics(labels, test.get_column("true_probability").to_numpy())
 
 
+def true_effects(truth: Path, journey_ids) -> tuple[np.ndarray, list[str]]:
+    """The simulator's true-model features (`TrueModel`) of the given journeys, recomputed
+    from the clean events: design matrix [n, k] (with a constant) and the feature names."""
+    import polars as pl
+
+    from journeys.simulate import CHANNELS, TrueModel
+
+    m = TrueModel()
+    events = (
+        pl.read_parquet(truth / "events.parquet")
+        .join(pl.DataFrame({"journey_id": journey_ids}), on="journey_id")
+        .sort("journey_id", "position")
+    )
+    gap = pl.col("timestamp").diff().over("journey_id").dt.total_seconds(fractional=True)
+    events = events.with_columns(
+        gap=gap.fill_null(0),
+        n=pl.len().over("journey_id"),
+        is_click=pl.col("event_type") == "click",
+        is_cart=pl.col("event_type") == "add_to_cart",
+    )
+    search_click = pl.col("is_click") & (pl.col("channel") == "paid_search")
+    events = events.with_columns(
+        # in-visit gaps are at most 30 min in the simulator (Behaviour.event_gap_max_s)
+        visit_start=(pl.col("position") == 0) | (pl.col("gap") >= 1800),
+        last_click=pl.when(pl.col("is_click")).then(pl.col("position")).max().over("journey_id"),
+        recent=pl.col("position") >= pl.col("n") - m.recent_window,
+        pair=pl.col("is_cart")
+        & pl.any_horizontal(
+            search_click.shift(k).over("journey_id").fill_null(False)
+            for k in range(1, m.search_cart_window + 1)
+        ),
+    )
+    features = events.group_by("journey_id").agg(
+        cart_after_last_click=(
+            pl.col("is_cart") & (pl.col("position") > pl.col("last_click"))
+        ).any(),
+        recent_cart=(
+            pl.col("recent") & pl.col("event_type").is_in(["add_to_cart", "checkout"])
+        ).any(),
+        recent_product_view=(pl.col("recent") & (pl.col("event_type") == "product_view")).any(),
+        search_to_cart=pl.col("pair").any(),
+        final_visit_gap=(pl.col("gap").filter(pl.col("visit_start")).last() / 3600 / 12).log1p(),
+        product_view_count=(pl.col("event_type") == "product_view").sum().log1p(),
+        first_channel=pl.col("channel").first(),
+    )
+    features = pl.DataFrame({"journey_id": journey_ids}).join(
+        features, on="journey_id", how="left", maintain_order="left"
+    )
+    names = [c for c in features.columns if c not in ("journey_id", "first_channel")]
+    columns = [features.get_column(c).cast(pl.Float64).to_numpy() for c in names]
+    channels = [c for c in CHANNELS if c != "direct"]  # relative to direct, as TrueModel
+    columns += [
+        (features.get_column("first_channel") == c).to_numpy().astype(float) for c in channels
+    ]
+    names += [f"first_touch_{c}" for c in channels]
+    return np.column_stack([*columns, np.ones(len(journey_ids))]), [*names, "intercept"]
+
+
+def effect_recovery(config, truth: Path, run_id: str) -> list[tuple[str, float, float]]:
+    """Least-squares fit of the true logit and of the model's logit on the true features.
+
+    A coefficient of the model's fit near the truth's means the model learned that
+    effect; one near 0 means it missed it. Returns (feature, truth, model) rows.
+    """
+    import polars as pl
+
+    from journeys.ingest import scan_journeys
+    from journeys.packaging import load_model
+
+    test = scan_journeys(config.paths.journeys).filter(pl.col("split") == "test").collect()
+    model_logit = load_model(f"runs:/{run_id}/model").predict_logits(test)
+    probability = (
+        test.select("journey_id")
+        .join(pl.read_parquet(truth / "journeys.parquet"), on="journey_id", how="left")
+        .get_column("true_probability")
+        .to_numpy()
+    )
+    design, names = true_effects(truth, test.get_column("journey_id"))
+    fits = [
+        np.linalg.lstsq(design, target, rcond=None)[0]
+        for target in (np.log(probability / (1 - probability)), model_logit)
+    ]
+    return [(n, float(t), float(m)) for n, t, m in zip(names, *fits, strict=True)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "conf" / "default.yaml"))
@@ -86,6 +171,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sim-seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="3k users, one seed, 10 epochs")
+    parser.add_argument(
+        "--effects",
+        action="store_true",
+        help="also fit each seed's test logits on the true model's features (effect recovery)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.users, args.seeds = 3_000, args.seeds[:1]
@@ -109,6 +199,14 @@ def main() -> None:
         rows.setdefault("transformer (calibrated)", []).append(calibrated)
         for name, baseline in result.baselines.items():
             rows.setdefault(f"baseline_{name}", []).append(baseline.metrics)
+        if args.effects:
+            import mlflow
+
+            mlflow.set_tracking_uri(config.mlflow.tracking_uri)
+            recovered = effect_recovery(config, truth, result.run_id)
+            print(f"seed {seed}: effect recovery (coefficient on the true features, test set)")
+            for name, true, learned in recovered:
+                print(f"  {name:<26} truth {true:+6.2f}  transformer {learned:+6.2f}")
 
     from rich.console import Console
     from rich.table import Table

@@ -179,6 +179,18 @@ class Model(Section):
     pooling: Literal["cls", "mean", "last"] = "cls"
     causal: bool = False
     time_buckets: Annotated[int, Field(ge=2)] = 32
+    # A gap this long opens a new visit (web analytics' 30-minute session rule; gaps in the
+    # same log-scaled time bucket count too: 30m -> from 17 min with 32 buckets);
+    # every event also embeds the gap that opened its visit, so how long the user was away
+    # before the current visit is on every event, the last one included. null: off.
+    visit_gap: str | None = "30m"
+
+    @field_validator("visit_gap")
+    @classmethod
+    def _visit_gap_duration(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_duration(value)
+        return value
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Model:

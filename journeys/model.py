@@ -2,8 +2,9 @@
 
 Everything the model does is in this file, in the spirit of nanoGPT's `model.py`:
 
-- each event is the sum of embeddings of its event type, each categorical feature and the
-  time since the previous event (bucketed in `journeys.data`); id 0 is padding everywhere;
+- each event is the sum of embeddings of its event type, each categorical feature, the
+  time since the previous event (bucketed in `journeys.data`) and the gap that opened its
+  visit (the latest gap of at least `visit_bucket`); id 0 is padding everywhere;
 - a positional encoding (fixed sinusoid, learned table, or none) is added;
 - `n_layers` transformer blocks (self-attention + GELU feed-forward, pre- or post-norm);
 - the journey is pooled (a prepended CLS token, the mean of real events, or the last real
@@ -63,6 +64,8 @@ class ModelConfig:
     pooling: Pooling = "cls"
     causal: bool = False
     max_len: int = 64
+    # Time buckets >= this one open a visit; None: no visit-gap embedding.
+    visit_bucket: int | None = None
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -104,6 +107,7 @@ class ModelConfig:
             pooling=model.pooling,
             causal=model.causal,
             max_len=max_len,
+            visit_bucket=visit_bucket(model),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +118,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         return cls(**{**data, "feature_vocab_sizes": tuple(data.get("feature_vocab_sizes", ()))})
+
+
+def visit_bucket(model: Model) -> int | None:
+    """The time bucket of `model.visit_gap` (None when off): gaps in it or above open a visit."""
+    if model.visit_gap is None:
+        return None
+    import polars as pl
+
+    from journeys.config import parse_duration
+    from journeys.data import time_bucket_expr
+
+    seconds = parse_duration(model.visit_gap).total_seconds()
+    return int(pl.select(time_bucket_expr(pl.lit(seconds), model.time_buckets)).item())
 
 
 class ModelOutput(NamedTuple):
@@ -233,6 +250,9 @@ class JourneyTransformer(nn.Module):
             nn.Embedding(size, d_model, padding_idx=0) for size in config.feature_vocab_sizes
         )
         self.time_embedding = nn.Embedding(config.n_time_buckets, d_model, padding_idx=0)
+        self.visit_embedding: nn.Embedding | None = None
+        if config.visit_bucket is not None:
+            self.visit_embedding = nn.Embedding(config.n_time_buckets, d_model, padding_idx=0)
         n_positions = config.max_len + int(config.uses_cls)
         self.position_embedding: nn.Embedding | None = None
         if config.positional == "learned":
@@ -267,9 +287,26 @@ class JourneyTransformer(nn.Module):
                 nn.init.normal_(param, std=INIT_STD / math.sqrt(2 * self.config.n_layers))
             else:  # other weight matrices and the CLS vector
                 nn.init.normal_(param, std=INIT_STD)
-        for embedding in (self.event_embedding, self.time_embedding, *self.feature_embeddings):
+        for embedding in self.input_embeddings():
             with torch.no_grad():
                 embedding.weight[0].zero_()
+
+    def input_embeddings(self) -> list[nn.Embedding]:
+        """The per-event embedding tables whose outputs are summed into the input."""
+        tables = [self.event_embedding, self.time_embedding, *self.feature_embeddings]
+        return tables if self.visit_embedding is None else [*tables, self.visit_embedding]
+
+    def visit_gaps(self, time_buckets: Tensor, mask: Tensor) -> Tensor:
+        """[B, L]: the time bucket of the gap that opened each event's visit (0 on padding).
+
+        A visit opens at the first event and at every gap of at least `visit_bucket`; each
+        event takes the bucket at its visit's first event (earlier events only: causal-safe).
+        """
+        assert self.config.visit_bucket is not None
+        positions = torch.arange(time_buckets.size(1), device=time_buckets.device)
+        opens = (time_buckets >= self.config.visit_bucket) | (positions == 0)
+        latest_open = torch.where(opens, positions, 0).cummax(dim=1).values
+        return time_buckets.gather(1, latest_open) * mask
 
     def forward(
         self,
@@ -334,6 +371,8 @@ class JourneyTransformer(nn.Module):
         x = self.event_embedding(tokens) + self.time_embedding(time_buckets)
         for i, embedding in enumerate(self.feature_embeddings):
             x = x + embedding(features[:, i])
+        if self.visit_embedding is not None:
+            x = x + self.visit_embedding(self.visit_gaps(time_buckets, mask))
         if self.cls is not None:
             batch = x.size(0)
             x = torch.cat([self.cls.expand(batch, 1, -1), x], dim=1)

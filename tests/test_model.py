@@ -69,6 +69,8 @@ VARIANTS = [
     dict(causal=True),
     dict(pooling="cls", position_origin="end"),
     dict(pooling="mean", position_origin="end", positional="learned"),
+    dict(pooling="cls", position_origin="end", visit_bucket=4),
+    dict(causal=True, visit_bucket=4),
 ]
 NORMS = ["pre", "post"]
 LENGTHS = [5, 1, 9, 3]
@@ -131,6 +133,21 @@ def test_positions_from_the_end_give_the_last_events_the_same_ids() -> None:
     assert start.tolist() == list(range(9))
     with pytest.raises(ValueError, match="causal"):
         tiny(causal=True, position_origin="end")
+
+
+def test_every_event_carries_the_gap_that_opened_its_visit() -> None:
+    model = tiny(visit_bucket=4)
+    time_buckets = torch.tensor([[1, 2, 5, 3, 2, 7, 1, 0, 0]])  # BUCKETS = 8
+    mask = time_buckets > 0
+    # visits open at event 0 (bucket 1), at the 5 and at the 7; padding stays 0
+    expected = [[1, 1, 5, 5, 5, 7, 7, 0, 0]]
+    assert model.visit_gaps(time_buckets, mask).tolist() == expected
+    # the embedding changes the output: same events, another gap before the last visit
+    inputs = batch([6, 6], seed=3)
+    inputs["time_buckets"][:, :] = torch.tensor([1, 2, 2, 7, 2, 2])
+    other = {**inputs, "time_buckets": inputs["time_buckets"].clone()}
+    other["time_buckets"][:, 3] = 6
+    assert (model(**inputs).logits - model(**other).logits).abs().min() > 1e-4
 
 
 def test_without_positions_mean_pooling_is_order_blind() -> None:
