@@ -8,7 +8,7 @@ best any model can do on this data. Printed: mean +- std over seeds of every tes
 
 Usage::
 
-    .venv/bin/python benchmarks/quality.py                     # 20k users, seeds 0 1 2
+    .venv/bin/python benchmarks/quality.py                     # 100k users (~170k journeys), seeds 0 1 2
     .venv/bin/python benchmarks/quality.py --quick             # 3k users, one seed, 10 epochs
     .venv/bin/python benchmarks/quality.py --config conf/gpu.yaml --set train.devices=1
 
@@ -167,7 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "conf" / "default.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--users", type=int, default=20_000)
+    parser.add_argument("--users", type=int, default=100_000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sim-seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="3k users, one seed, 10 epochs")
