@@ -218,7 +218,7 @@ class Train(Section):
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     pos_weight: Annotated[float, Field(gt=0)] | None = None
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
-    patience: Annotated[int, Field(ge=1)] = 5
+    patience: Annotated[int, Field(ge=1)] = 8
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     devices: int | str = 1
     num_nodes: Annotated[int, Field(ge=1)] = 1
