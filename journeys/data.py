@@ -6,7 +6,8 @@
   batch's longest journey (right padding, id 0) in a few vectorised gathers.
 - `LengthGroupedBatchSampler` sorts journeys by length inside large random buckets so that
   batches hold journeys of similar length and little compute goes to padding.
-- `JourneyDataModule` serves train/val/test (censored journeys excluded) and scoring loaders.
+- `journeys.train.JourneyDataModule` (Lightning) serves these loaders for train/val/test;
+  this module itself does not import Lightning, so scoring starts fast.
 
 Distributed training: the length-grouped batch sampler does not shard by itself. It groups
 whatever index sampler it wraps, and under DDP that is a `DistributedSampler`: Lightning
@@ -25,10 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-import lightning as L
 import numpy as np
 import polars as pl
 import torch
@@ -43,11 +42,10 @@ from torch.utils.data import (
 )
 
 from journeys.errors import InputError
-from journeys.ingest import scan_journeys
 from journeys.vocab import PAD_ID, Vocabularies
 
 if TYPE_CHECKING:
-    from journeys.config import Config
+    pass
 
 SPLITS = ("train", "val", "test")
 
@@ -378,122 +376,3 @@ def make_dataloader(
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
     )
-
-
-class JourneyDataModule(L.LightningDataModule):
-    """Train/val/test loaders from the journeys folder's `split` column; scoring loaders.
-
-    Censored journeys (unknown label, split `none`) are never in train/val/test; they are
-    in `predict_dataloader` and in any frame passed to `dataloader_for`.
-    """
-
-    def __init__(
-        self,
-        journeys_dir: str | Path,
-        vocabs: Vocabularies | None = None,
-        *,
-        n_time_buckets: int = 32,
-        max_len: int | None = None,
-        batch_size: int = 256,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        seed: int = 0,
-        group_by_length: bool = True,
-        bucket_batches: int = DEFAULT_BUCKET_BATCHES,
-        predict_frame: pl.DataFrame | None = None,
-    ) -> None:
-        super().__init__()
-        self.journeys_dir = Path(journeys_dir)
-        self._vocabs = vocabs
-        self.n_time_buckets = n_time_buckets
-        self.max_len = max_len
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_workers = num_workers
-        self.seed = seed
-        self.group_by_length = group_by_length
-        self.bucket_batches = bucket_batches
-        self.predict_frame = predict_frame
-        self.splits: dict[str, EncodedJourneys] = {}
-
-    @classmethod
-    def from_config(cls, config: Config, vocabs: Vocabularies | None = None) -> JourneyDataModule:
-        return cls(
-            config.paths.journeys,
-            vocabs,
-            n_time_buckets=config.model.time_buckets,
-            max_len=config.journey.max_events,
-            batch_size=config.train.batch_size,
-            num_workers=config.train.num_workers,
-            seed=config.train.seed,
-        )
-
-    @property
-    def vocabs(self) -> Vocabularies:
-        if self._vocabs is None:
-            self._vocabs = Vocabularies.load(self.journeys_dir)
-        return self._vocabs
-
-    def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
-        return encode_journeys(frame, self.vocabs, self.n_time_buckets, self.max_len)
-
-    def _columns(self) -> list[str]:
-        return ["journey_id", "label", "event_type", "event_time", *self.vocabs.features]
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.splits:
-            return
-        frame = (
-            scan_journeys(self.journeys_dir)
-            .filter(~pl.col("censored") & pl.col("split").is_in(SPLITS))
-            .select("split", *self._columns())
-            .collect()
-        )
-        for split in SPLITS:
-            self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        if not self.splits:
-            self.setup()
-        return make_dataloader(
-            self.splits[split],
-            self.batch_size if shuffle else self.eval_batch_size,
-            shuffle=shuffle,
-            group_by_length=self.group_by_length,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            bucket_batches=self.bucket_batches,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        if not self.splits:
-            self.setup()
-        if not len(self.splits["train"]):
-            raise InputError(f"no uncensored train journeys in {self.journeys_dir}")
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        """`predict_frame` if given, else every journey in the folder (censored included)."""
-        frame = self.predict_frame
-        if frame is None:
-            frame = scan_journeys(self.journeys_dir).select(self._columns()).collect()
-        return self.dataloader_for(frame)
-
-    def dataloader_for(self, frame: pl.DataFrame, batch_size: int | None = None) -> DataLoader:
-        """Batches of an arbitrary journeys frame, in the frame's order (for scoring).
-
-        `loader.dataset.encoded.journey_ids[batch.index]` names each batch row.
-        """
-        return make_dataloader(
-            self.encode(frame),
-            batch_size or self.eval_batch_size,
-            shuffle=False,
-            group_by_length=False,
-            num_workers=self.num_workers,
-        )

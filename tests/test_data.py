@@ -12,13 +12,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 from journeys.data import (
     EpochRandomSampler,
     JourneyCollator,
-    JourneyDataModule,
     LengthGroupedBatchSampler,
     encode_journeys,
     make_dataloader,
     time_bucket_expr,
 )
 from journeys.errors import InputError
+from journeys.train import JourneyDataModule
 from journeys.vocab import Vocabularies, Vocabulary
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)

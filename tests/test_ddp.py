@@ -28,9 +28,9 @@ EPOCHS = 2
 def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> None:
     from torchmetrics.classification import BinaryAUROC
 
-    from journeys.data import JourneyDataModule
     from journeys.model import JourneyTransformer, ModelConfig
     from journeys.packaging import load_model, predict_logits
+    from journeys.train import JourneyDataModule
     from journeys.vocab import Vocabularies
 
     folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
