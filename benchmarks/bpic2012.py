@@ -573,10 +573,14 @@ def train_transformer(
     config: Config,
     vocabs: Vocabularies,
     train: EncodedJourneys,
-    val: EncodedJourneys,
+    val: EncodedJourneys | None,
     max_len: int = MAX_PREFIX,
 ) -> TrainedModel:
-    """Fit `PrefixJourneyModule` on `train` (loss at every prefix), stop early on `val`."""
+    """Fit `PrefixJourneyModule` on `train` (loss at every prefix), stop early on `val`.
+
+    Without `val` (or with an empty one) it trains for `train.max_epochs` and keeps the last
+    weights.
+    """
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping
 
@@ -591,7 +595,8 @@ def train_transformer(
     module = _prefix_module_class()(model_config, config.train, base_rate)
     keep = _keep_best_class()("val_prefix_auc")
     callbacks: list[L.Callback] = [keep]
-    if len(val):
+    has_val = val is not None and len(val) > 0
+    if has_val:
         callbacks.append(
             EarlyStopping(
                 monitor="val_prefix_auc", mode="max", patience=config.train.patience, verbose=False
@@ -613,7 +618,7 @@ def train_transformer(
     )
     batch_size = config.train.batch_size
     train_loader = make_dataloader(train, batch_size, shuffle=True, seed=config.train.seed)
-    val_loader = make_dataloader(val, 512, shuffle=False) if len(val) else None
+    val_loader = make_dataloader(val, 512, shuffle=False) if has_val else None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=r".*smaller than the logging interval.*")
@@ -680,19 +685,6 @@ def score_prefixes(
     return pl.concat(parts).sort(["case_row", "prefix_len"])
 
 
-def _no_cases(encoded: EncodedJourneys) -> EncodedJourneys:
-    """An empty `EncodedJourneys` (no validation: train for the fixed number of epochs)."""
-    return replace(
-        encoded,
-        tokens=encoded.tokens[:0],
-        features=encoded.features[:, :0],
-        time_buckets=encoded.time_buckets[:0],
-        offsets=encoded.offsets[:1],
-        labels=encoded.labels[:0],
-        journey_ids=None,
-    )
-
-
 @dataclass
 class Ensemble:
     members: list[TrainedModel]
@@ -724,9 +716,7 @@ def train_ensemble(
         if refit and trained.best_epoch:
             refit_config = member_config.model_copy(deep=True)
             refit_config.train.max_epochs = trained.best_epoch
-            refitted = train_transformer(
-                refit_config, vocabs, encoded["train_val"], _no_cases(encoded["val"])
-            )
+            refitted = train_transformer(refit_config, vocabs, encoded["train_val"], val=None)
             trained = replace(
                 trained, model=refitted.model, seconds=trained.seconds + refitted.seconds
             )

@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from journeys.config import load_config  # noqa: E402
 from journeys.model import JourneyTransformer, ModelConfig  # noqa: E402
 
 # Dense bf16 peak (TFLOP/s) by device name; fp32 runs are compared with the same peak.
@@ -63,15 +64,17 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
 
 def measure(size: Size, precision: str, device: torch.device, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=VOCAB,
-        feature_vocab_sizes=FEATURE_VOCABS,
-        n_time_buckets=TIME_BUCKETS,
-        d_model=size.d_model,
-        n_heads=size.n_heads,
-        n_layers=size.n_layers,
-        max_len=size.seq_len,
-    )
+    # The product's model settings (conf defaults) at this size.
+    settings = load_config(
+        None,
+        [
+            f"model.d_model={size.d_model}",
+            f"model.n_heads={size.n_heads}",
+            f"model.n_layers={size.n_layers}",
+            f"model.time_buckets={TIME_BUCKETS}",
+        ],
+    ).model
+    config = ModelConfig.from_settings(settings, VOCAB, FEATURE_VOCABS, size.seq_len)
     model = JourneyTransformer(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     b, length = size.batch, size.seq_len

@@ -102,19 +102,10 @@ def run(
 
     settings = config.train
     n_features = encoded.features.size(0)
-    model_config = ModelConfig(
+    model_config = ModelConfig.from_settings(
+        config.model,
         vocab_size=int(encoded.tokens.max()) + 1,
         feature_vocab_sizes=tuple(int(encoded.features[i].max()) + 1 for i in range(n_features)),
-        n_time_buckets=config.model.time_buckets,
-        d_model=config.model.d_model,
-        n_heads=config.model.n_heads,
-        n_layers=config.model.n_layers,
-        dropout=config.model.dropout,
-        positional=config.model.positional,
-        position_origin=config.model.resolved_position_origin,
-        norm=config.model.norm,
-        pooling=config.model.pooling,
-        causal=config.model.causal,
         max_len=config.journey.max_events,
     )
     module = JourneyModule(model_config, settings)

@@ -387,11 +387,7 @@ def integrated_gradients(
     embeddings = model.input_embeddings()
     model.eval()
     with torch.no_grad():
-        summed = model.event_embedding(tokens) + model.time_embedding(time_buckets)
-        for i, embedding in enumerate(model.feature_embeddings):
-            summed = summed + embedding(features[:, i])
-        if model.visit_embedding is not None:
-            summed = summed + model.visit_embedding(model.visit_gaps(time_buckets, mask))
+        summed = model.event_embeddings(tokens, features, time_buckets, mask)
 
     def repeat(t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(steps, dim=0)

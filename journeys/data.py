@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import polars as pl
@@ -44,14 +44,12 @@ from torch.utils.data import (
 from journeys.errors import InputError
 from journeys.vocab import PAD_ID, Vocabularies
 
-if TYPE_CHECKING:
-    pass
-
 SPLITS = ("train", "val", "test")
 
 # Time since the previous event -> bucket 1 + floor(log_GROWTH(1 + gap / UNIT)), so bucket 1
-# is [0, (GROWTH - 1) UNIT) (and the first event). The buckets always span UNIT .. 2^SPAN_DOUBLINGS UNIT
-# (34 years); `model.time_buckets` sets the resolution: GROWTH = 2^(SPAN_DOUBLINGS / (n - 2)).
+# is [0, (GROWTH - 1) UNIT) (and the first event). The buckets always span UNIT ..
+# 2^SPAN_DOUBLINGS UNIT (34 years); `model.time_buckets` sets the resolution:
+# GROWTH = 2^(SPAN_DOUBLINGS / (n - 2)).
 # With 32 buckets each is a doubling (bucket 2 [1 s, 3 s), 3 [3 s, 7 s), ...; 7 days lands in
 # bucket 20); with 62, each is a factor sqrt(2).
 TIME_BUCKET_UNIT_SECONDS = 1.0

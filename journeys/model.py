@@ -93,9 +93,17 @@ class ModelConfig:
 
         `max_len` is the longest journey the model will see (`journey.max_events`).
         """
+        feature_sizes = tuple(len(vocabs.by_column[name]) for name in vocabs.features)
+        return cls.from_settings(model, len(vocabs.event_type), feature_sizes, max_len)
+
+    @classmethod
+    def from_settings(
+        cls, model: Model, vocab_size: int, feature_vocab_sizes: tuple[int, ...], max_len: int
+    ) -> ModelConfig:
+        """Settings from the `model` config section with explicit vocabulary sizes."""
         return cls(
-            vocab_size=len(vocabs.event_type),
-            feature_vocab_sizes=tuple(len(vocabs.by_column[name]) for name in vocabs.features),
+            vocab_size=vocab_size,
+            feature_vocab_sizes=feature_vocab_sizes,
             n_time_buckets=model.time_buckets,
             d_model=model.d_model,
             n_heads=model.n_heads,
@@ -364,15 +372,22 @@ class JourneyTransformer(nn.Module):
             exported = exported / exported.sum(dim=1, keepdim=True).clamp(min=1e-12)
         return ModelOutput(logits, prefix_logits, exported)
 
-    def _embed(
-        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor, lengths: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Summed embeddings plus positions [B, L(+1), D], and the mask of that sequence."""
+    def event_embeddings(
+        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor
+    ) -> Tensor:
+        """[B, L, D]: the sum of each event's `input_embeddings` (no position, no CLS)."""
         x = self.event_embedding(tokens) + self.time_embedding(time_buckets)
         for i, embedding in enumerate(self.feature_embeddings):
             x = x + embedding(features[:, i])
         if self.visit_embedding is not None:
             x = x + self.visit_embedding(self.visit_gaps(time_buckets, mask))
+        return x
+
+    def _embed(
+        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor, lengths: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Summed embeddings plus positions [B, L(+1), D], and the mask of that sequence."""
+        x = self.event_embeddings(tokens, features, time_buckets, mask)
         if self.cls is not None:
             batch = x.size(0)
             x = torch.cat([self.cls.expand(batch, 1, -1), x], dim=1)
