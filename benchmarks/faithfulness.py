@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -77,7 +78,18 @@ def journeys_cli(*args: str) -> None:
 
 
 def train_model(work: Path, users: int, seed: int, epochs: int) -> tuple[str, str]:
-    """Simulate, ingest and train with the product; returns (model URI, tracking URI)."""
+    """Simulate, ingest and train with the product; returns (model URI, tracking URI).
+
+    A previous run's store and checkpoints are removed first: otherwise training would
+    resume from the old checkpoint, and the champion alias (moved only on improvement)
+    could still name the old model.
+    """
+    for stale in ("mlflow.db", "checkpoints", "train_journeys", "train_quarantine"):
+        path = work / stale
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
     tracking = f"sqlite:///{work / 'mlflow.db'}"
     settings = [
         f"paths.raw={work / 'train_raw'}",
