@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -50,8 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.recording import append_results, machine  # noqa: E402
+
 WORK = ROOT / "data" / "bench" / "faithfulness"
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 METHODS = ("pooled", "rollout", "integrated_gradients")
 TRAIN_USERS = 40_000
 EVAL_USERS = 10_000
@@ -172,12 +172,16 @@ def lift_table(weights: pl.DataFrame, causal: pl.DataFrame) -> pl.DataFrame:
             share=pl.col("share").first(),
             # Top-weighted event (ties: the later event) is causal?
             top_causal=pl.col("causal").sort_by(["w", "idx"], descending=[True, True]).first(),
+            # The first event carries the first-touch channel, but so does the rest of the
+            # first visit: deleting it alone barely moves the prediction (deletion test).
+            top_first=pl.col("idx").sort_by(["w", "idx"], descending=[True, True]).first() == 0,
         )
         stats = per_journey.select(
             journeys=pl.len(),
             causal_mass=pl.col("mass").mean(),
             causal_share=pl.col("share").mean(),
             top1_causal=pl.col("top_causal").cast(pl.Float64).mean(),
+            top1_first=pl.col("top_first").cast(pl.Float64).mean(),
         ).row(0, named=True)
         rows.append(
             {
@@ -338,22 +342,6 @@ def evaluate(model_uri: str, tracking: str | None, work: Path, args: argparse.Na
     return Outcome(lift, deletion, details)
 
 
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {cores} cores, {gpu}; Python {platform.python_version()}, torch {torch.__version__}"
-
-
 def markdown(outcome: Outcome, command: str, seconds: float) -> str:
     lift = outcome.lift
     deletion = outcome.deletion
@@ -375,13 +363,13 @@ def markdown(outcome: Outcome, command: str, seconds: float) -> str:
         "Journeys with both causal and non-causal events; top-1: the highest-ranked event is causal "
         "(a random pick: the causal share).",
         "",
-        "| journeys | method | n | causal mass | causal share | lift | top-1 event causal |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| journeys | method | n | causal mass | causal share | lift | top-1 event causal | top-1 is the first event |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in lift.iter_rows(named=True):
         lines.append(
             f"| {r['journeys_subset']} | {r['method']} | {r['journeys']:,} | {r['causal_mass']:.3f} | {r['causal_share']:.3f} | "
-            f"**{r['lift']:.2f}** | {r['top1_causal']:.3f} |"
+            f"**{r['lift']:.2f}** | {r['top1_causal']:.3f} | {r['top1_first']:.3f} |"
         )
     lines += [
         "",
@@ -428,11 +416,7 @@ def main() -> None:
     text = markdown(outcome, command.strip(), seconds)
     print(text)
     if not args.no_record:
-        with RESULTS.open("a") as handle:
-            if handle.tell() == 0:
-                handle.write("# Benchmark results\n")
-            handle.write(text)
-        print(f"appended to {RESULTS}")
+        append_results(text)
 
 
 if __name__ == "__main__":

@@ -221,22 +221,28 @@ COPY (
 """
 
 
+class PhaseTimer:
+    """Called with a phase's name when the phase ends: records the seconds since the last call."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self._clock
+        self._clock = now
+
+
 def run_duckdb(csv: Path, out: Path) -> dict[str, float]:
     """The job as DuckDB SQL: temp tables for the staged rows and the built journeys."""
     import duckdb
 
-    phases: dict[str, float] = {}
     con = duckdb.connect()  # in memory; DuckDB spills to a temp folder if it must
     con.execute("SET TimeZone = 'UTC'")
     for name in ("journeys", "quarantine"):
         (out / name).mkdir(parents=True)
-    clock = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        phases[name] = now - clock
-        clock = now
+    phase = PhaseTimer()
 
     con.execute(DUCKDB_STAGE, {"source": str(csv)})
     con.execute(DUCKDB_QUARANTINE.format(path=out / "quarantine" / "quarantine.parquet"))
@@ -259,7 +265,7 @@ def run_duckdb(csv: Path, out: Path) -> dict[str, float]:
         {"val_cut": cuts[0], "test_cut": cuts[1]},
     )
     phase("split, write")
-    return phases
+    return phase.phases
 
 
 def run_pandas(csv: Path, out: Path) -> dict[str, float]:
@@ -267,14 +273,7 @@ def run_pandas(csv: Path, out: Path) -> dict[str, float]:
     import numpy as np
     import pandas as pd
 
-    phases: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        phases[name] = now - clock
-        clock = now
+    phase = PhaseTimer()
 
     # Everything as text; an empty field stays "" (no NA guessing on values like "NA").
     raw = pd.read_csv(csv, dtype=str, keep_default_na=False, usecols=list(RAW_COLUMNS))
@@ -360,7 +359,7 @@ def run_pandas(csv: Path, out: Path) -> dict[str, float]:
     (out / "journeys").mkdir(parents=True)
     journeys[list(JOURNEY_COLUMNS)].to_parquet(out / "journeys" / "part-00000.parquet", index=False)
     phase("censor, split, write")
-    return phases
+    return phase.phases
 
 
 # --- child process: one engine, one input, one measurement -----------------------------------

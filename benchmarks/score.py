@@ -46,8 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.recording import append_results, machine  # noqa: E402
+
 WORK = ROOT / "data" / "bench" / "score"
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # 1x: about 1.7 journeys (20 events) per user, so ~67k journeys: more than one chunk of
 # the default `score.chunk_journeys` (50k), or 1x would only show a smaller single chunk.
 USERS = 40_000
@@ -179,28 +180,6 @@ def run_child(spec: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def machine() -> str:
-    import platform
-
-    import torch
-
-    cpu = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0))
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    load = os.getloadavg()[0]
-    return (
-        f"{cpu}, {cores} cores, {gpu}; torch {torch.__version__}; "
-        f"load average {load:.1f} at the start (the machine is shared)"
-    )
-
-
 def markdown(results: dict, args: argparse.Namespace, command: str, host: str) -> str:
     fast, single = results["throughput"], results["single_thread"]
     rows = fast["rows"]
@@ -274,7 +253,7 @@ def main() -> None:
         args.users, args.repeats = 2_000, 1
     os.environ.update(ENV)
     WORK.mkdir(parents=True, exist_ok=True)
-    host = machine()
+    host = machine(with_load=True)
 
     folders = {scale: prepare(args.users * scale) for scale in args.scales}
     model = args.model or str(random_model(folders[min(folders)]))
@@ -299,11 +278,7 @@ def main() -> None:
     text = markdown(results, args, command.strip(), host)
     print(text)
     if not args.no_record:
-        with RESULTS.open("a") as handle:
-            if handle.tell() == 0:
-                handle.write("# Benchmark results\n")
-            handle.write(text)
-        print(f"appended to {RESULTS}")
+        append_results(text)
 
 
 if __name__ == "__main__":
