@@ -212,10 +212,13 @@ class Train(Section):
     batch_size: Annotated[int, Field(ge=1)] = 256
     optimizer: Literal["adam", "adamw"] = "adamw"
     lr: Annotated[float, Field(gt=0)] = 3e-3
-    weight_decay: Annotated[float, Field(ge=0)] = 0.01
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
     warmup_steps: Annotated[int, Field(ge=0)] = 100
     schedule: Literal["inverse_sqrt", "cosine"] = "cosine"
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
+    # Validate, checkpoint and ship an exponential moving average of the weights (decay per
+    # step); null: the raw weights. See `journeys.train.ema_update`.
+    ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = 0.999
     pos_weight: Annotated[float, Field(gt=0)] | None = None
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
     patience: Annotated[int, Field(ge=1)] = 8

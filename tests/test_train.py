@@ -209,6 +209,48 @@ def test_resume_continues_the_interrupted_run(tmp_path: Path, mlflow_env: str, m
         train.train_command(config, resume=True)
 
 
+def test_ema_update_ramps_up_then_keeps_the_configured_decay() -> None:
+    from journeys.train import EMA_WARMUP, ema_update
+
+    averaged, current = torch.zeros(3), torch.ones(3)
+    first = ema_update(averaged, current, torch.tensor(0), decay=0.999)
+    # decay 1 / EMA_WARMUP on the first step: the average jumps most of the way
+    assert torch.allclose(first, torch.full((3,), 1 - 1 / EMA_WARMUP))
+    late = ema_update(averaged, current, torch.tensor(10_000), decay=0.999)
+    assert torch.allclose(late, torch.full((3,), 0.001))
+
+
+@pytest.mark.parametrize("ema_decay", ["0.99", "null"])
+def test_checkpoints_hold_the_weight_average_and_resume_keeps_the_raw_weights(
+    tmp_path: Path, mlflow_env: str, ema_decay: str
+) -> None:
+    from journeys.train import train_command
+
+    make_journeys_dataset(tmp_path / "journeys", n=300, seed=2)
+    config = tiny_config(
+        tmp_path,
+        mlflow_env,
+        "train.max_epochs=2",
+        "train.baselines=[]",
+        f"train.ema_decay={ema_decay}",
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train_command(config)
+    last = torch.load(Path(result.checkpoint).parent / "last.ckpt", weights_only=True)
+    best = torch.load(result.checkpoint, weights_only=True)["state_dict"]
+    from journeys.packaging import load_model
+
+    shipped = load_model(result.model_uri, mlflow_env).model.state_dict()
+    for name, value in shipped.items():  # the shipped model is the best checkpoint
+        assert torch.equal(value, best[f"model.{name}"]), name
+    if ema_decay == "null":
+        assert "current_model_state" not in last
+        return
+    raw, average = last["current_model_state"], last["state_dict"]
+    weight = "model.head.weight"
+    assert not torch.equal(raw[weight], average[weight])  # two sets of weights kept
+
+
 def test_missing_dataset_fails_before_any_compute(tmp_path: Path, mlflow_env: str) -> None:
     from journeys.train import train_command
 
