@@ -4,7 +4,10 @@ On a simulated log (`journeys.simulate`, whose ground truth gives every journey 
 conversion probability), the product runs as a user would: `ingest`, then `train` (the
 transformer and every baseline, tracked in a private MLflow store) once per seed. The
 "oracle" row scores the same test journeys with the simulator's true probabilities: the
-best any model can do on this data. Printed: mean +- std over seeds of every test metric.
+best any model can do on this data. The "logreg on the true features" row is a logistic
+regression on exactly the features the simulator's true model uses, fitted on the train
+split: the best a model can do with this much data if it knew what to look for. Printed:
+mean +- std over seeds of every test metric.
 
 Usage::
 
@@ -136,6 +139,32 @@ def true_effects(truth: Path, journey_ids) -> tuple[np.ndarray, list[str]]:
     return np.column_stack([*columns, np.ones(len(journey_ids))]), [*names, "intercept"]
 
 
+def true_feature_ceiling(config, truth: Path) -> dict[str, float]:
+    """Logistic regression on the simulator's true features, fitted on the train split.
+
+    What a model that knew exactly which features matter would reach with this much
+    data: the gap between it and the oracle is the data's share of the transformer's gap.
+    """
+    import polars as pl
+    from sklearn.linear_model import LogisticRegression
+
+    from journeys.ingest import scan_journeys
+    from journeys.metrics import binary_metrics
+
+    journeys = (
+        scan_journeys(config.paths.journeys)
+        .filter(pl.col("split").is_in(["train", "test"]) & ~pl.col("censored"))
+        .select("journey_id", "label", "split")
+        .collect()
+    )
+    design, _ = true_effects(truth, journeys.get_column("journey_id"))
+    labels = journeys.get_column("label").to_numpy()
+    is_train = (journeys.get_column("split") == "train").to_numpy()
+    # Nearly unpenalised (C large): 11 coefficients from ~100k journeys need no shrinkage.
+    fit = LogisticRegression(C=1e4, max_iter=5_000).fit(design[is_train], labels[is_train])
+    return binary_metrics(labels[~is_train], fit.predict_proba(design[~is_train])[:, 1])
+
+
 def effect_recovery(config, truth: Path, run_id: str) -> list[tuple[str, float, float]]:
     """Least-squares fit of the true logit and of the model's logit on the true features.
 
@@ -187,6 +216,7 @@ def main() -> None:
     config, truth = prepare(args.users, args.sim_seed, args.config, args.overrides)
     rows: dict[str, list[dict[str, float]]] = {"oracle (true probability)": []}
     oracle = oracle_metrics(config, truth)
+    ceiling = true_feature_ceiling(config, truth)
     for seed in args.seeds:
         seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
         start = time.perf_counter()
@@ -194,6 +224,7 @@ def main() -> None:
             result = train_command(seeded)
         print(f"seed {seed}: trained in {time.perf_counter() - start:.0f} s (run {result.run_id})")
         rows["oracle (true probability)"].append(oracle)
+        rows.setdefault("logreg on the true features", []).append(ceiling)
         rows.setdefault("transformer", []).append(result.metrics)
         calibrated = {f"test_{m}": result.metrics[f"test_{m}_calibrated"] for m in METRICS}
         rows.setdefault("transformer (calibrated)", []).append(calibrated)
