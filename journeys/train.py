@@ -81,7 +81,7 @@ def ema_update(
     """One EMA step of a weight, for Lightning's `WeightAveraging(avg_fn=...)`.
 
     Why: with lr 3e-3 the raw weights jitter from step to step and val AUC with them
-    (+-0.003 between epochs at 100k users); the average is smoother and better (quality
+    (by up to 0.005 between epochs at 100k users); the average is smoother and better (quality
     benchmark, RESULTS.md). The decay ramps up from 0 (as in timm's ModelEma), so a run of
     a few hundred steps is not stuck near its initial weights.
     """
