@@ -26,7 +26,9 @@ import io
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,22 +65,50 @@ def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str]):
     return config, raw / "_truth"
 
 
-def oracle_metrics(config, truth: Path) -> dict[str, float]:
-    """The simulator's true probabilities on the test split: the ceiling for every model."""
-    import polars as pl
+@dataclass
+class TestTruth:
+    """The uncensored test journeys with the simulator's truth, loaded once per benchmark."""
 
-    from journeys.ingest import scan_journeys
+    journeys: Any  # pl.DataFrame in the ingest schema, plus `true_probability`
+    design: np.ndarray  # [n, k] the true model's features (`true_effects`)
+    names: list[str]
+
+    @classmethod
+    def load(cls, config, truth: Path) -> TestTruth:
+        import polars as pl
+
+        from journeys.ingest import scan_journeys
+
+        test = (
+            scan_journeys(config.paths.journeys)
+            .filter((pl.col("split") == "test") & ~pl.col("censored"))
+            .collect()
+            .join(
+                pl.read_parquet(truth / "journeys.parquet").select(
+                    "journey_id", "true_probability"
+                ),
+                on="journey_id",
+                how="inner",
+                maintain_order="left",
+            )
+        )
+        design, names = true_effects(truth, test.get_column("journey_id"))
+        return cls(test, design, names)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self.journeys.get_column("label").to_numpy()
+
+    @property
+    def true_probability(self) -> np.ndarray:
+        return self.journeys.get_column("true_probability").to_numpy()
+
+
+def oracle_metrics(test: TestTruth) -> dict[str, float]:
+    """The simulator's true probabilities on the test split: the ceiling for every model."""
     from journeys.metrics import binary_metrics
 
-    test = (
-        scan_journeys(config.paths.journeys)
-        .filter((pl.col("split") == "test") & ~pl.col("censored"))
-        .select("journey_id", "label")
-        .collect()
-        .join(pl.read_parquet(truth / "journeys.parquet"), on="journey_id", how="inner")
-    )
-    labels = test.get_column("label").to_numpy()
-    return binary_metrics(labels, test.get_column("true_probability").to_numpy())
+    return binary_metrics(test.labels, test.true_probability)
 
 
 def true_effects(truth: Path, journey_ids) -> tuple[np.ndarray, list[str]]:
@@ -86,7 +116,7 @@ def true_effects(truth: Path, journey_ids) -> tuple[np.ndarray, list[str]]:
     from the clean events: design matrix [n, k] (with a constant) and the feature names."""
     import polars as pl
 
-    from journeys.simulate import CHANNELS, TrueModel
+    from journeys.simulate import CHANNELS, Behaviour, TrueModel
 
     m = TrueModel()
     events = (
@@ -103,8 +133,8 @@ def true_effects(truth: Path, journey_ids) -> tuple[np.ndarray, list[str]]:
     )
     search_click = pl.col("is_click") & (pl.col("channel") == "paid_search")
     events = events.with_columns(
-        # in-visit gaps are at most 30 min in the simulator (Behaviour.event_gap_max_s)
-        visit_start=(pl.col("position") == 0) | (pl.col("gap") >= 1800),
+        # in-visit gaps are at most event_gap_max_s in the simulator, visit gaps longer
+        visit_start=(pl.col("position") == 0) | (pl.col("gap") >= Behaviour().event_gap_max_s),
         last_click=pl.when(pl.col("is_click")).then(pl.col("position")).max().over("journey_id"),
         recent=pl.col("position") >= pl.col("n") - m.recent_window,
         pair=pl.col("is_cart")
@@ -139,7 +169,7 @@ def true_effects(truth: Path, journey_ids) -> tuple[np.ndarray, list[str]]:
     return np.column_stack([*columns, np.ones(len(journey_ids))]), [*names, "intercept"]
 
 
-def true_feature_ceiling(config, truth: Path) -> dict[str, float]:
+def true_feature_ceiling(config, truth: Path, test: TestTruth) -> dict[str, float]:
     """Logistic regression on the simulator's true features, fitted on the train split.
 
     What a model that knew exactly which features matter would reach with this much
@@ -151,45 +181,35 @@ def true_feature_ceiling(config, truth: Path) -> dict[str, float]:
     from journeys.ingest import scan_journeys
     from journeys.metrics import binary_metrics
 
-    journeys = (
+    train = (
         scan_journeys(config.paths.journeys)
-        .filter(pl.col("split").is_in(["train", "test"]) & ~pl.col("censored"))
-        .select("journey_id", "label", "split")
+        .filter((pl.col("split") == "train") & ~pl.col("censored"))
+        .select("journey_id", "label")
         .collect()
     )
-    design, _ = true_effects(truth, journeys.get_column("journey_id"))
-    labels = journeys.get_column("label").to_numpy()
-    is_train = (journeys.get_column("split") == "train").to_numpy()
+    design, _ = true_effects(truth, train.get_column("journey_id"))
     # Nearly unpenalised (C large): 11 coefficients from ~100k journeys need no shrinkage.
-    fit = LogisticRegression(C=1e4, max_iter=5_000).fit(design[is_train], labels[is_train])
-    return binary_metrics(labels[~is_train], fit.predict_proba(design[~is_train])[:, 1])
+    # The design's last column is the constant; LogisticRegression fits its own intercept.
+    fit = LogisticRegression(C=1e4, max_iter=5_000)
+    fit.fit(design[:, :-1], train.get_column("label").to_numpy())
+    return binary_metrics(test.labels, fit.predict_proba(test.design[:, :-1])[:, 1])
 
 
-def effect_recovery(config, truth: Path, run_id: str) -> list[tuple[str, float, float]]:
+def effect_recovery(test: TestTruth, run_id: str) -> list[tuple[str, float, float]]:
     """Least-squares fit of the true logit and of the model's logit on the true features.
 
     A coefficient of the model's fit near the truth's means the model learned that
     effect; one near 0 means it missed it. Returns (feature, truth, model) rows.
     """
-    import polars as pl
-
-    from journeys.ingest import scan_journeys
     from journeys.packaging import load_model
 
-    test = scan_journeys(config.paths.journeys).filter(pl.col("split") == "test").collect()
-    model_logit = load_model(f"runs:/{run_id}/model").predict_logits(test)
-    probability = (
-        test.select("journey_id")
-        .join(pl.read_parquet(truth / "journeys.parquet"), on="journey_id", how="left")
-        .get_column("true_probability")
-        .to_numpy()
-    )
-    design, names = true_effects(truth, test.get_column("journey_id"))
+    model_logit = load_model(f"runs:/{run_id}/model").predict_logits(test.journeys)
+    probability = test.true_probability
     fits = [
-        np.linalg.lstsq(design, target, rcond=None)[0]
+        np.linalg.lstsq(test.design, target, rcond=None)[0]
         for target in (np.log(probability / (1 - probability)), model_logit)
     ]
-    return [(n, float(t), float(m)) for n, t, m in zip(names, *fits, strict=True)]
+    return [(n, float(t), float(m)) for n, t, m in zip(test.names, *fits, strict=True)]
 
 
 def main() -> None:
@@ -215,8 +235,9 @@ def main() -> None:
 
     config, truth = prepare(args.users, args.sim_seed, args.config, args.overrides)
     rows: dict[str, list[dict[str, float]]] = {"oracle (true probability)": []}
-    oracle = oracle_metrics(config, truth)
-    ceiling = true_feature_ceiling(config, truth)
+    test = TestTruth.load(config, truth)
+    oracle = oracle_metrics(test)
+    ceiling = true_feature_ceiling(config, truth, test)
     for seed in args.seeds:
         seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
         start = time.perf_counter()
@@ -234,7 +255,7 @@ def main() -> None:
             import mlflow
 
             mlflow.set_tracking_uri(config.mlflow.tracking_uri)
-            recovered = effect_recovery(config, truth, result.run_id)
+            recovered = effect_recovery(test, result.run_id)
             print(f"seed {seed}: effect recovery (coefficient on the true features, test set)")
             for name, true, learned in recovered:
                 print(f"  {name:<26} truth {true:+6.2f}  transformer {learned:+6.2f}")
