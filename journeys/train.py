@@ -101,10 +101,10 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
 
 
 class JourneyDataModule(L.LightningDataModule):
-    """Train/val/test loaders from the journeys folder's `split` column; scoring loaders.
+    """Train/val/test loaders from the journeys folder's `split` column.
 
-    Censored journeys (unknown label, split `none`) are never in train/val/test; they are
-    in `predict_dataloader` and in any frame passed to `dataloader_for`.
+    Censored journeys (unknown label, split `none`) are never in train/val/test. Scoring
+    does not go through here: `journeys.score` batches any frame with `make_dataloader`.
     """
 
     def __init__(
@@ -120,7 +120,6 @@ class JourneyDataModule(L.LightningDataModule):
         seed: int = 0,
         group_by_length: bool = True,
         bucket_batches: int = DEFAULT_BUCKET_BATCHES,
-        predict_frame: pl.DataFrame | None = None,
     ) -> None:
         super().__init__()
         self.journeys_dir = Path(journeys_dir)
@@ -133,7 +132,6 @@ class JourneyDataModule(L.LightningDataModule):
         self.seed = seed
         self.group_by_length = group_by_length
         self.bucket_batches = bucket_batches
-        self.predict_frame = predict_frame
         self.splits: dict[str, EncodedJourneys] = {}
 
     @classmethod
@@ -197,26 +195,6 @@ class JourneyDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", shuffle=False)
-
-    def predict_dataloader(self) -> DataLoader:
-        """`predict_frame` if given, else every journey in the folder (censored included)."""
-        frame = self.predict_frame
-        if frame is None:
-            frame = scan_journeys(self.journeys_dir).select(self._columns()).collect()
-        return self.dataloader_for(frame)
-
-    def dataloader_for(self, frame: pl.DataFrame, batch_size: int | None = None) -> DataLoader:
-        """Batches of an arbitrary journeys frame, in the frame's order (for scoring).
-
-        `loader.dataset.encoded.journey_ids[batch.index]` names each batch row.
-        """
-        return make_dataloader(
-            self.encode(frame),
-            batch_size or self.eval_batch_size,
-            shuffle=False,
-            group_by_length=False,
-            num_workers=self.num_workers,
-        )
 
 
 class JourneyModule(L.LightningModule):

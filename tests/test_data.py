@@ -181,17 +181,13 @@ def test_datamodule_excludes_censored_journeys_from_splits(tmp_path, frame) -> N
         for batch in loader
         for i in loader.dataset.encoded.journey_ids[batch.index.numpy()].to_list()
     ]
-    assert sorted(seen) == ["j1", "j2", "j3", "j4"]
+    assert sorted(seen) == ["j1", "j2", "j3", "j4"]  # the censored j5 in none of them
 
-    # scoring covers every journey, the censored one included, in order
-    loader = module.predict_dataloader()
-    ids = loader.dataset.encoded.journey_ids
-    order = [ids[i] for batch in loader for i in batch.index.tolist()]
-    assert sorted(order) == ["j1", "j2", "j3", "j4", "j5"]
-    by_frame = module.dataloader_for(frame.reverse(), batch_size=2)
-    index = torch.cat([batch.index for batch in by_frame])
+    # scoring's loader keeps any frame's order, the censored journey included
+    in_order = make_dataloader(module.encode(frame.reverse()), 2, group_by_length=False)
+    index = torch.cat([batch.index for batch in in_order])
     assert index.tolist() == [0, 1, 2, 3, 4]
-    assert by_frame.dataset.encoded.journey_ids.to_list() == ["j5", "j4", "j3", "j2", "j1"]
+    assert in_order.dataset.encoded.journey_ids.to_list() == ["j5", "j4", "j3", "j2", "j1"]
 
 
 def lengths_of(n: int, seed: int = 0) -> torch.Tensor:
@@ -289,7 +285,7 @@ def test_batches_feed_the_model(tmp_path, frame) -> None:
     module = JourneyDataModule(tmp_path, VOCABS, n_time_buckets=32, max_len=8, batch_size=4)
     config = ModelConfig.from_config(Model(d_model=16, n_heads=2, time_buckets=32), VOCABS, 8)
     model = JourneyTransformer(config).eval()
-    batch = next(iter(module.predict_dataloader()))
+    batch = next(iter(make_dataloader(module.encode(frame), 4)))
     out = model(batch.tokens, batch.features, batch.time_buckets, batch.mask, attention="pooled")
     assert out.logits.shape == (4,)
     assert out.attention.shape == batch.mask.shape
