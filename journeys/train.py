@@ -460,13 +460,21 @@ def build_trainer(
         monitor="val_roc_auc",
         mode="max",
         save_top_k=1,
-        save_last=True,
+    )
+    # `--resume` needs the latest epoch, but since Lightning 2.6 `save_last` writes only when
+    # a top-k checkpoint is saved, so `last.ckpt` would be the best epoch again. A second
+    # checkpoint without a monitor overwrites `last.ckpt` after every validation instead.
+    last = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename=LAST_CHECKPOINT.removesuffix(".ckpt"),
+        save_top_k=1,
+        enable_version_counter=False,
     )
     # check_finite=False: a val split with one class gives a NaN AUC, not a reason to stop.
     early_stopping = EarlyStopping(
         monitor="val_roc_auc", mode="max", patience=settings.patience, check_finite=False
     )
-    callbacks: list[Callback] = [checkpoint, early_stopping]
+    callbacks: list[Callback] = [checkpoint, last, early_stopping]
     if settings.ema_decay is not None:
         # Validation, checkpoints (so the logged model) and the end of fit use the average;
         # `last.ckpt` also keeps the raw weights, so `--resume` continues both.

@@ -209,6 +209,26 @@ def test_resume_continues_the_interrupted_run(tmp_path: Path, mlflow_env: str, m
         train.train_command(config, resume=True)
 
 
+def test_last_checkpoint_is_the_latest_epoch_not_the_best(
+    tmp_path: Path, mlflow_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from journeys import train
+
+    make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
+    config = tiny_config(tmp_path, mlflow_env, "train.max_epochs=3", "train.baselines=[]")
+
+    def falling_auc(self, batch, batch_idx) -> None:  # the best epoch is always the first
+        self.log("val_roc_auc", 0.9 - 0.1 * self.current_epoch, batch_size=len(batch.labels))
+
+    monkeypatch.setattr(train.JourneyModule, "validation_step", falling_auc)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train.train_command(config)
+    best = torch.load(result.checkpoint, weights_only=True)
+    last = torch.load(Path(result.checkpoint).parent / "last.ckpt", weights_only=True)
+    assert best["epoch"] == 0
+    assert last["epoch"] == 2  # what `--resume` continues from
+
+
 def test_ema_update_ramps_up_then_keeps_the_configured_decay() -> None:
     from journeys.train import EMA_WARMUP, ema_update
 
