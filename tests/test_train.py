@@ -224,7 +224,7 @@ def test_last_checkpoint_is_the_latest_epoch_not_the_best(
     with contextlib.redirect_stdout(io.StringIO()):
         result = train.train_command(config)
     best = torch.load(result.checkpoint, weights_only=True)
-    last = torch.load(Path(result.checkpoint).parent / "last.ckpt", weights_only=True)
+    last = torch.load(Path(result.checkpoint).parent / train.LAST_CHECKPOINT, weights_only=True)
     assert best["epoch"] == 0
     assert last["epoch"] == 2  # what `--resume` continues from
 
