@@ -51,7 +51,6 @@ from flows.caching import (
 )
 from flows.settings import (
     Orchestration,
-    lock_path,
     make_task_runner,
     orchestration,
     resolve_config,
@@ -59,7 +58,8 @@ from flows.settings import (
 from journeys import ingest as ingest_lib
 from journeys.config import Config
 from journeys.errors import InputError, JourneysError
-from journeys.pipeline_lock import pipeline_lock
+from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
+from journeys.storage import scratch_dir
 
 INGEST_CODE = ("journeys.ingest", "journeys.events", "journeys.vocab", "journeys.storage")
 TRAIN_CODE = (
@@ -232,11 +232,10 @@ def ingest_task(config: Config, key: str) -> dict[str, Any]:
     """The three ingest passes, pass 2 mapped over partitions on the configured runner."""
     settings = orchestration(config)
     journeys, quarantine = Path(config.paths.journeys), Path(config.paths.quarantine)
-    journeys.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".ingest-", dir=journeys.parent) as scratch:
-        staged = _configured(stage_task, settings)(config, Path(scratch) / "staged")
+    with scratch_dir(journeys.parent, "ingest") as scratch:
+        staged = _configured(stage_task, settings)(config, scratch / "staged")
         partitions = staged.partitions or [None]
-        built = Path(scratch) / "built"
+        built = scratch / "built"
         built.mkdir()
         outs = [built / ingest_lib.PART_FILE.format(i) for i in range(len(partitions))]
         with make_task_runner(settings) as runner:
@@ -334,7 +333,8 @@ def train_in_subprocess(config: Config, resume: bool, timeout: float) -> str:
     if resume:
         command.append("--resume")
     logger.info("training in its own process: %s", " ".join(command))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The flow holds the data folder's lock for this stage; the child must not wait for it.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", HELD_ENV: str(lock_path(config))}
     last = ""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -5,7 +5,6 @@ They are the `orchestration` section of the configuration (`journeys.config.Orch
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from journeys.config import Config, Orchestration, load_config
@@ -13,8 +12,6 @@ from journeys.errors import JourneysError
 
 if TYPE_CHECKING:
     from prefect.task_runners import TaskRunner
-
-LOCK_FILE = ".journeys.lock"
 
 
 def orchestration(config: Config) -> Orchestration:
@@ -51,8 +48,3 @@ def resolve_config(
     if config is not None:
         return config
     return load_config(config_file, overrides)
-
-
-def lock_path(config: Config) -> Path:
-    """One lock per data folder: stages of concurrent runs never write the same outputs."""
-    return Path(config.paths.journeys).absolute().parent / LOCK_FILE

@@ -8,8 +8,9 @@ Errors the user can fix (`JourneysError`) print one line and exit 2, with no tra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from journeys.config import Config, load_config
@@ -34,6 +35,18 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.overrides)
 
 
+@contextlib.contextmanager
+def _locked(config: Config, stage: str) -> Iterator[None]:
+    """Hold the data folder's lock, so a scheduled run never writes these outputs too."""
+    from journeys.pipeline_lock import stage_lock
+
+    def tell(message: str) -> None:
+        print(f"journeys {stage}: {message}", file=sys.stderr, flush=True)
+
+    with stage_lock(config, f"journeys {stage}", on_wait=tell):
+        yield
+
+
 def cmd_simulate(args: argparse.Namespace) -> None:
     from journeys.simulate import simulate
 
@@ -53,7 +66,9 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 def cmd_ingest(args: argparse.Namespace) -> None:
     from journeys.ingest import ingest, print_report
 
-    report = ingest(_config(args))
+    config = _config(args)
+    with _locked(config, "ingest"):
+        report = ingest(config)
     print_report(report)
 
 
@@ -67,19 +82,24 @@ def cmd_train(args: argparse.Namespace) -> None:
     check_tracking_uri(tracking_uri(config))
     from journeys.train import train_command
 
-    train_command(config, resume=args.resume)
+    with _locked(config, "train"):
+        train_command(config, resume=args.resume)
 
 
 def cmd_score(args: argparse.Namespace) -> None:
     from journeys.score import score_command
 
-    score_command(_config(args), model_uri=args.model, input_path=args.input, out=args.out)
+    config = _config(args)
+    with _locked(config, "score"):
+        score_command(config, model_uri=args.model, input_path=args.input, out=args.out)
 
 
 def cmd_attribute(args: argparse.Namespace) -> None:
     from journeys.attribution import attribute_command
 
-    attribute_command(_config(args), scores=args.scores, out=args.out)
+    config = _config(args)
+    with _locked(config, "attribute"):
+        attribute_command(config, scores=args.scores, out=args.out)
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:

@@ -18,7 +18,6 @@ The work runs in three passes so memory stays bounded by one partition, not the 
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -40,7 +39,7 @@ from journeys.events import (
     scan_events,
     user_bucket,
 )
-from journeys.storage import atomic_dir, write_json
+from journeys.storage import atomic_dir, scratch_dir, write_json
 from journeys.vocab import Vocabularies, Vocabulary
 
 REPORT_FILE = "ingest_report.json"
@@ -440,9 +439,7 @@ def run_ingest(
     """`journeys ingest` as a function: all three passes, outputs written atomically."""
     journeys_folder = Path(journeys_folder or config.paths.journeys)
     quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
-    journeys_folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".ingest-", dir=journeys_folder.parent) as scratch:
-        scratch = Path(scratch)
+    with scratch_dir(journeys_folder.parent, "ingest") as scratch:
         staged = stage(config, scratch / "staged", raw)
         built = scratch / "built"
         built.mkdir()

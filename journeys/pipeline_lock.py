@@ -1,8 +1,9 @@
 """An inter-process lock, so two runs never write the same outputs at the same time.
 
-Scheduled runs (daily ingest, daily scoring, weekly training) and a manual
-`journeys pipeline` may overlap. Each stage holds the data folder's lock while it runs;
-a second run waits for it (up to a timeout) instead of racing the atomic folder swaps.
+Scheduled runs (daily ingest, daily scoring, weekly training), a manual `journeys
+pipeline` and a manual `journeys ingest | train | score | attribute` may overlap. Each
+stage holds the data folder's lock while it runs; a second run waits for it (up to
+`orchestration.lock_timeout`) instead of racing the atomic folder swaps.
 The lock is an OS file lock (`flock`): it is released when its holder exits, even on a
 crash, so a stale lock file never blocks anyone.
 """
@@ -18,9 +19,21 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+from journeys.config import Config
 from journeys.errors import JourneysError
 
 POLL_S = 0.5
+LOCK_FILE = ".journeys.lock"
+# Set in a lock holder's environment, so its own child processes (a flow's training
+# subprocess, Lightning's DDP workers) know the lock is theirs and do not wait for it.
+HELD_ENV = "JOURNEYS_LOCK_HELD"
+# Launchers' rank variables (torchrun, Lightning, SLURM): only rank 0 takes the lock.
+RANK_ENVS = ("RANK", "LOCAL_RANK", "SLURM_PROCID")
+
+
+def lock_path(config: Config) -> Path:
+    """One lock per data folder (the folder holding `paths.journeys`)."""
+    return Path(config.paths.journeys).absolute().parent / LOCK_FILE
 
 
 def _holder(handle) -> str:
@@ -80,3 +93,25 @@ def pipeline_lock(
             handle.seek(0)
             handle.truncate()
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def stage_lock(
+    config: Config, what: str, on_wait: Callable[[str], None] | None = None
+) -> Iterator[None]:
+    """The data folder's lock for one command-line stage, unless a parent already holds it.
+
+    A process started by the lock's holder (see `HELD_ENV`) or a DDP rank other than 0
+    runs without it: waiting for its own parent would wait forever.
+    """
+    path = lock_path(config)
+    launched_rank = max(int(os.environ.get(name) or 0) for name in RANK_ENVS)
+    if os.environ.get(HELD_ENV) == str(path) or launched_rank != 0:
+        yield
+        return
+    with pipeline_lock(path, what, config.orchestration.lock_timeout_s, on_wait):
+        os.environ[HELD_ENV] = str(path)
+        try:
+            yield
+        finally:
+            os.environ.pop(HELD_ENV, None)

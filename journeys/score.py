@@ -36,7 +36,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ import numpy as np
 import polars as pl
 
 from journeys.errors import InputError
-from journeys.storage import atomic_dir
+from journeys.storage import atomic_dir, scratch_dir
 
 if TYPE_CHECKING:
     import torch
@@ -527,10 +526,8 @@ def score_input(
     if not any(ch in str(input_path) for ch in "*?[") and not source.exists():
         raise InputError(f"input not found: {input_path}")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     ingest_config = scoring_config(config, loaded.preprocessing)
-    with tempfile.TemporaryDirectory(prefix=".score-ingest-", dir=out.parent) as scratch:
-        scratch = Path(scratch)
+    with scratch_dir(out.parent, "score-ingest") as scratch:
         result = run_ingest(
             ingest_config,
             raw=str(input_path),

@@ -3,15 +3,22 @@
 Files are written to a temporary name in the same folder and renamed into place
 (`os.replace` is atomic on POSIX). Folders holding several files that belong together
 (journeys + vocabularies + report) are built beside the target and swapped in.
+
+Every temporary name carries its owner, `.<name>.<host>-<pid>.<random>.tmp`, so the next
+writer in that folder can remove what a killed process (`kill -9`, power loss) left
+behind, and never what a live writer is still building.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +31,59 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# Host names may hold dots; a short digest keeps the temporary names parseable.
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+_OWNED_TEMPORARY = re.compile(r"^\..+\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)\.\w+\.tmp$")
+
+
+def _prefix(name: str) -> str:
+    """This process's prefix for temporary names of `name`: `.<name>.<host>-<pid>.`."""
+    return f".{name}.{_HOST}-{os.getpid()}."
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def sweep_crash_litter(folder: str | Path) -> list[Path]:
+    """Remove temporaries in `folder` whose owner was a process of this host that is gone.
+
+    Temporaries of other hosts (a shared file system) and of live processes stay.
+    Returns what was removed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in folder.iterdir():
+        owner = _OWNED_TEMPORARY.match(path.name)
+        if owner is None or owner["host"] != _HOST or _is_alive(int(owner["pid"])):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def scratch_dir(parent: str | Path, name: str) -> Iterator[Path]:
+    """A temporary working folder in `parent` (same file system as the outputs), removed
+    after the block; a killed run's leftover is swept by the next run."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    sweep_crash_litter(parent)
+    with tempfile.TemporaryDirectory(prefix=_prefix(name), suffix=".tmp", dir=parent) as path:
+        yield Path(path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -40,7 +100,8 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `target`; rename it onto `target` if the block succeeds."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    sweep_crash_litter(target.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=_prefix(target.name), suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     # mkstemp creates 0600 files; give the output the permissions a plain open() would.
@@ -75,7 +136,8 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    sweep_crash_litter(target.parent)
+    staging = Path(tempfile.mkdtemp(prefix=_prefix(target.name), suffix=".tmp", dir=target.parent))
     os.chmod(staging, 0o777 & ~_umask())
     try:
         yield staging

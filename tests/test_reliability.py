@@ -30,6 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from journeys.cli import main
+from journeys.pipeline_lock import HELD_ENV, LOCK_FILE, pipeline_lock
+from journeys.storage import sweep_crash_litter
 from tests.conftest import make_journeys_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,7 +230,8 @@ def test_kill_9_during_ingest_leaves_previous_output_or_none_and_rerun_matches(
 ) -> None:
     """SIGKILL `journeys ingest` at several points: `paths.journeys` is always the previous
     complete output (byte-identical), the new complete one, or absent - never partial -
-    and a rerun gives exactly the uninterrupted run's output."""
+    and a rerun gives exactly the uninterrupted run's output and removes the killed
+    runs' temporary folders."""
     new = reference_ingest["snapshot"]
     code, _, err, _ = run_cli(["ingest", *path_args(tmp_path, logs["old"])])
     assert code == 0, err
@@ -255,6 +258,7 @@ def test_kill_9_during_ingest_leaves_previous_output_or_none_and_rerun_matches(
     code, _, err, _ = run_cli(["ingest", *path_args(tmp_path, logs["new"])])
     assert code == 0, err
     assert snapshot(tmp_path / "journeys") == new
+    assert hidden_litter(tmp_path) == [LOCK_FILE]  # the rerun swept the killed runs' litter
 
 
 def test_kill_9_during_scoring_leaves_previous_scores_or_none_and_rerun_matches(
@@ -304,6 +308,7 @@ def test_kill_9_during_scoring_leaves_previous_scores_or_none_and_rerun_matches(
     code, _, err, _ = run_cli(score(tmp_path / "big", tmp_path / "scores"), env)
     assert code == 0, err
     assert scores_frame(tmp_path / "scores").equals(reference)
+    assert hidden_litter(tmp_path) == [LOCK_FILE]
 
 
 def test_kill_9_during_training_then_resume_finishes_in_the_same_single_run(
@@ -673,3 +678,55 @@ def test_two_ingests_at_once_on_the_same_paths_never_mix_outputs(
         assert any(code == 0 for code, _ in results)
         assert snapshot(tmp_path / "journeys") == reference_ingest["snapshot"]
         assert not (tmp_path / ".journeys.old").exists()
+
+
+def test_a_cli_stage_waits_for_the_data_folders_lock_and_says_who_holds_it(
+    logs, reference_ingest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a scheduled run holds the data folder's lock, `journeys ingest` waits for it:
+    past `orchestration.lock_timeout` it exits 2 with one line naming the holder and
+    writes nothing. A process the holder started (its training subprocess) goes ahead."""
+    monkeypatch.delenv(HELD_ENV, raising=False)
+    quick = ("--set", "orchestration.lock_timeout=1s")
+    with pipeline_lock(tmp_path / LOCK_FILE, "journeys score"):
+        code, err = ingest_in_process(logs["new"], tmp_path, *quick)
+        notice, error = err.strip().splitlines()  # told once why it waits, then the error
+        assert code == 2 and "waiting for journeys score" in notice, err
+        assert (
+            error.startswith("journeys ingest: error:")
+            and "still locked by journeys score" in error
+        )
+        assert not (tmp_path / "journeys").exists()
+
+        monkeypatch.setenv(HELD_ENV, str((tmp_path / LOCK_FILE).absolute()))
+        code, err = ingest_in_process(logs["new"], tmp_path, *quick)
+        assert code == 0, err
+    assert snapshot(tmp_path / "journeys") == reference_ingest["snapshot"]
+
+
+def test_crash_litter_of_dead_processes_is_swept_and_live_work_is_kept(tmp_path: Path) -> None:
+    """Temporaries named for a dead process of this host are removed by the next writer;
+    those of a live process, of another host, and other hidden files stay."""
+    from journeys import storage
+
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    host = storage._HOST
+    other_host = "0" * 8 if host != "0" * 8 else "1" * 8
+    dead = [f".journeys.{host}-{finished.pid}.ab_12.tmp", f".ingest.{host}-{finished.pid}.x9.tmp"]
+    kept = [
+        f".journeys.{host}-{os.getpid()}.live1.tmp",  # a live writer's staging folder
+        f".journeys.{other_host}-{finished.pid}.far.tmp",
+        LOCK_FILE,
+        ".journeys.old",
+    ]
+    for name in dead + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part-00000.parquet").write_bytes(b"x")
+    (tmp_path / f".report.json.{host}-{finished.pid}.f1.tmp").write_text("{")  # a file too
+
+    removed = sweep_crash_litter(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(
+        [*dead, f".report.json.{host}-{finished.pid}.f1.tmp"]
+    )
+    assert hidden_litter(tmp_path) == sorted(kept)
