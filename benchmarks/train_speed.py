@@ -1,7 +1,7 @@
 """Training throughput of the conversion transformer: journeys/s, events/s, ms/step, memory.
 
 Runs the product's training path (Lightning `JourneyModule`, the length-grouped loader,
-the configured precision and device) for a fixed number of optimiser steps on random
+the configured precision and device, the weight average when `train.ema_decay` is set) for a fixed number of optimiser steps on random
 journeys, and times the steps after a warm-up. In the same run it trains the reference:
 the same embeddings, pooling and head around `torch.nn.TransformerEncoder` of the same
 size (same parameter count), on the same batches in the same loop, and prints the ratio.
@@ -98,7 +98,7 @@ def run(
 
     from journeys.data import make_dataloader
     from journeys.model import ModelConfig
-    from journeys.train import JourneyModule
+    from journeys.train import JourneyModule, weight_averaging
 
     settings = config.train
     n_features = encoded.features.size(0)
@@ -154,7 +154,7 @@ def run(
         enable_progress_bar=False,
         enable_model_summary=False,
         gradient_clip_val=settings.grad_clip or None,
-        callbacks=[clock],
+        callbacks=[clock, *weight_averaging(settings)],  # the EMA update is part of a step
     )
     trainer.fit(module, train_dataloaders=loader)
     elapsed = clock.times[-1] - clock.times[warmup - 1]

@@ -317,6 +317,17 @@ def check_dataset(config: Config) -> dict[str, dict[str, int]]:
     return sizes
 
 
+def weight_averaging(settings: Train) -> list[Callback]:
+    """The EMA of the weights as a callback, when `train.ema_decay` is set.
+
+    Validation, checkpoints (so the logged model) and the end of fit use the average;
+    `last.ckpt` also keeps the raw weights, so `--resume` continues both.
+    """
+    if settings.ema_decay is None:
+        return []
+    return [WeightAveraging(avg_fn=partial(ema_update, decay=settings.ema_decay))]
+
+
 def global_rank() -> int:
     """This process's rank, known before the Trainer starts (env set by the launcher)."""
     return int(rank_zero_only.rank)
@@ -474,11 +485,7 @@ def build_trainer(
     early_stopping = EarlyStopping(
         monitor="val_roc_auc", mode="max", patience=settings.patience, check_finite=False
     )
-    callbacks: list[Callback] = [checkpoint, last, early_stopping]
-    if settings.ema_decay is not None:
-        # Validation, checkpoints (so the logged model) and the end of fit use the average;
-        # `last.ckpt` also keeps the raw weights, so `--resume` continues both.
-        callbacks.append(WeightAveraging(avg_fn=partial(ema_update, decay=settings.ema_decay)))
+    callbacks: list[Callback] = [checkpoint, last, early_stopping, *weight_averaging(settings)]
     trainer = L.Trainer(
         accelerator=settings.accelerator,
         devices=settings.devices,
