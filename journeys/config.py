@@ -207,11 +207,15 @@ class Model(Section):
         return self.position_origin
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class Train(Section):
     max_epochs: Annotated[int, Field(ge=1)] = 20
     batch_size: Annotated[int, Field(ge=1)] = 256
     optimizer: Literal["adam", "adamw"] = "adamw"
     lr: Annotated[float, Field(gt=0)] = 3e-3
+    adam_betas: tuple[Beta, Beta] = (0.9, 0.98)  # Vaswani et al. (2017)
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     warmup_steps: Annotated[int, Field(ge=0)] = 100
     schedule: Literal["inverse_sqrt", "cosine"] = "cosine"

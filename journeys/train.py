@@ -64,7 +64,6 @@ if TYPE_CHECKING:
 MODEL_FAMILY = "transformer"
 STATE_FILE = "latest.json"  # in paths.checkpoints: which run/checkpoints --resume continues
 LAST_CHECKPOINT = "last.ckpt"
-ADAM_BETAS = (0.9, 0.98)  # Vaswani et al. (2017)
 ADAM_EPS = 1e-9
 COSINE_FLOOR = 0.1  # cosine decays to lr / 10 (nanoGPT's min_lr), not to zero
 EMA_WARMUP = 10  # the EMA's decay ramps up as (1 + n) / (EMA_WARMUP + n) over its first steps
@@ -257,7 +256,7 @@ class JourneyModule(L.LightningModule):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         optimizer_class = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
-        optimizer = optimizer_class(groups, lr=settings.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+        optimizer = optimizer_class(groups, lr=settings.lr, betas=settings.adam_betas, eps=ADAM_EPS)
         schedule = partial(
             lr_factor,
             warmup_steps=settings.warmup_steps,

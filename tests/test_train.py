@@ -322,6 +322,26 @@ def test_loss_uses_label_smoothing_and_pos_weight() -> None:
     assert module.model.head.bias.item() == pytest.approx(math.log(0.1 / 0.9) + math.log(3))
 
 
+def test_optimizer_takes_the_configured_betas_and_decays_only_matrices() -> None:
+    import lightning as L
+
+    from journeys.model import ModelConfig
+    from journeys.train import JourneyModule
+
+    settings = load_config(None, ["train.adam_betas=[0.95, 0.999]", "train.weight_decay=0.2"])
+    module = JourneyModule(
+        ModelConfig(vocab_size=5, d_model=8, n_heads=2, n_layers=1), settings.train
+    )
+    module.trainer = L.Trainer(max_steps=10, logger=False, enable_checkpointing=False)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert optimizer.defaults["betas"] == (0.95, 0.999)
+    decayed, undecayed = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.2 and all(p.dim() >= 2 for p in decayed["params"])
+    assert undecayed["weight_decay"] == 0.0 and all(p.dim() < 2 for p in undecayed["params"])
+    with pytest.raises(JourneysError, match="adam_betas"):
+        load_config(None, ["train.adam_betas=[0.9, 1.0]"])
+
+
 def test_ece_and_temperature_scaling() -> None:
     rng = np.random.default_rng(0)
     true_logits = rng.normal(0, 2, 20_000)
