@@ -18,6 +18,7 @@ import pytest
 
 from journeys.cli import main
 from journeys.config import load_config
+from journeys.pipeline_lock import LOCK_FILE
 from tests.test_reliability import ENV, cli, journeys_dataset, one_line, path_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,7 +187,7 @@ def test_hostile_ids_and_event_types_never_create_files_outside_configured_paths
     assert code == 0
     made = _files(work)
     top = {name.split(os.sep)[0] for name in made}
-    assert top <= {"journeys", "quarantine"}, top
+    assert top <= {"journeys", "quarantine", LOCK_FILE}, top  # the data folder's lock
     assert all("evil" not in name and "escape" not in name for name in made)
     new_outside = _files(tmp_path.parent) - outside_before
     assert all(name.startswith(tmp_path.name + os.sep) for name in new_outside), new_outside
