@@ -213,9 +213,10 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 class Train(Section):
     max_epochs: Annotated[int, Field(ge=1)] = 20
     batch_size: Annotated[int, Field(ge=1)] = 256
-    optimizer: Literal["adam", "adamw"] = "adamw"
+    optimizer: Literal["adam", "adamw", "sgd"] = "adamw"
     lr: Annotated[float, Field(gt=0)] = 3e-3
-    adam_betas: tuple[Beta, Beta] = (0.9, 0.98)  # Vaswani et al. (2017)
+    adam_betas: tuple[Beta, Beta] = (0.9, 0.98)  # Vaswani et al. (2017); adam / adamw only
+    momentum: Beta = 0.9  # Nesterov momentum; sgd only
     weight_decay: Annotated[float, Field(ge=0)] = 0.1
     warmup_steps: Annotated[int, Field(ge=0)] = 100
     schedule: Literal["inverse_sqrt", "cosine"] = "cosine"

@@ -255,8 +255,16 @@ class JourneyModule(L.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer_class = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
-        optimizer = optimizer_class(groups, lr=settings.lr, betas=settings.adam_betas, eps=ADAM_EPS)
+        if settings.optimizer == "sgd":
+            # Plain SGD's expected step is the clean-label step, whatever the noise of the 0/1
+            # targets; Adam divides by a second moment that this noise inflates (README).
+            # Its weight decay is the L2 term added to the gradient (torch's SGD).
+            optimizer = torch.optim.SGD(
+                groups, lr=settings.lr, momentum=settings.momentum, nesterov=True
+            )
+        else:
+            adam = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
+            optimizer = adam(groups, lr=settings.lr, betas=settings.adam_betas, eps=ADAM_EPS)
         schedule = partial(
             lr_factor,
             warmup_steps=settings.warmup_steps,

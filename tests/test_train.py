@@ -342,6 +342,28 @@ def test_optimizer_takes_the_configured_betas_and_decays_only_matrices() -> None
         load_config(None, ["train.adam_betas=[0.9, 1.0]"])
 
 
+def test_sgd_optimizer_takes_nesterov_momentum_and_decays_only_matrices() -> None:
+    import lightning as L
+
+    from journeys.model import ModelConfig
+    from journeys.train import JourneyModule
+
+    overrides = ["train.optimizer=sgd", "train.momentum=0.8", "train.weight_decay=1e-4"]
+    settings = load_config(None, [*overrides, "train.lr=0.5"])
+    module = JourneyModule(
+        ModelConfig(vocab_size=5, d_model=8, n_heads=2, n_layers=1), settings.train
+    )
+    module.trainer = L.Trainer(max_steps=10, logger=False, enable_checkpointing=False)
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert optimizer.defaults["momentum"] == 0.8 and optimizer.defaults["nesterov"]
+    decayed, undecayed = optimizer.param_groups
+    assert decayed["weight_decay"] == 1e-4 and all(p.dim() >= 2 for p in decayed["params"])
+    assert undecayed["weight_decay"] == 0.0 and all(p.dim() < 2 for p in undecayed["params"])
+    with pytest.raises(JourneysError, match="momentum"):
+        load_config(None, ["train.momentum=1.0"])
+
+
 def test_ece_and_temperature_scaling() -> None:
     rng = np.random.default_rng(0)
     true_logits = rng.normal(0, 2, 20_000)
