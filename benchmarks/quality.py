@@ -185,8 +185,9 @@ def expected_roc_auc(scores: np.ndarray, true_probability: np.ndarray) -> float:
     return float(roc_auc_score(labels, np.r_[scores, scores], sample_weight=np.r_[p, 1 - p]))
 
 
-def true_feature_ceiling(config, truth: Path, test: TestTruth) -> tuple[dict[str, float], float]:
-    """Logistic regression on the simulator's true features, fitted on the train split.
+def true_feature_ceiling(config, truth: Path, test: TestTruth) -> np.ndarray:
+    """Test probabilities of a logistic regression on the simulator's true features,
+    fitted on the train split.
 
     What a model that knew exactly which features matter would reach with this much
     data: the gap between it and the oracle is the data's share of the transformer's gap.
@@ -195,7 +196,6 @@ def true_feature_ceiling(config, truth: Path, test: TestTruth) -> tuple[dict[str
     from sklearn.linear_model import LogisticRegression
 
     from journeys.ingest import scan_journeys
-    from journeys.metrics import binary_metrics
 
     train = (
         scan_journeys(config.paths.journeys)
@@ -208,13 +208,10 @@ def true_feature_ceiling(config, truth: Path, test: TestTruth) -> tuple[dict[str
     # The design's last column is the constant; LogisticRegression fits its own intercept.
     fit = LogisticRegression(C=1e4, max_iter=5_000)
     fit.fit(design[:, :-1], train.get_column("label").to_numpy())
-    probability = fit.predict_proba(test.design[:, :-1])[:, 1]
-    return binary_metrics(test.labels, probability), expected_roc_auc(
-        probability, test.true_probability
-    )
+    return fit.predict_proba(test.design[:, :-1])[:, 1]
 
 
-def test_logits(config, run_id: str, test: TestTruth) -> np.ndarray:
+def model_logits(config, run_id: str, test: TestTruth) -> np.ndarray:
     """The logged model's logits on the test journeys, loaded as `journeys score` loads it."""
     import mlflow
 
@@ -257,18 +254,22 @@ def main() -> None:
         # ~16 steps an epoch at 3k users: a short warm-up, or training never leaves it.
         args.overrides = ["train.max_epochs=10", "train.warmup_steps=30", *args.overrides]
 
+    from journeys.metrics import binary_metrics
     from journeys.train import train_command
 
     config, truth = prepare(args.users, args.sim_seed, args.config, args.overrides)
     rows: dict[str, list[dict[str, float]]] = {"oracle (true probability)": []}
     test = TestTruth.load(config, truth)
     oracle = oracle_metrics(test)
-    ceiling, ceiling_expected = true_feature_ceiling(config, truth, test)
+    ceiling_probability = true_feature_ceiling(config, truth, test)
+    ceiling = binary_metrics(test.labels, ceiling_probability)
     expected = {
         "oracle (true probability)": [
             expected_roc_auc(test.true_probability, test.true_probability)
         ],
-        "logreg on the true features": [ceiling_expected],
+        "logreg on the true features": [
+            expected_roc_auc(ceiling_probability, test.true_probability)
+        ],
         "transformer": [],
     }
     for seed in args.seeds:
@@ -284,7 +285,7 @@ def main() -> None:
         rows.setdefault("transformer (calibrated)", []).append(calibrated)
         for name, baseline in result.baselines.items():
             rows.setdefault(f"baseline_{name}", []).append(baseline.metrics)
-        logits = test_logits(config, result.run_id, test)
+        logits = model_logits(config, result.run_id, test)
         expected["transformer"].append(expected_roc_auc(logits, test.true_probability))
         if args.effects:
             recovered = effect_recovery(test, logits)

@@ -322,18 +322,23 @@ def test_loss_uses_label_smoothing_and_pos_weight() -> None:
     assert module.model.head.bias.item() == pytest.approx(math.log(0.1 / 0.9) + math.log(3))
 
 
-def test_optimizer_takes_the_configured_betas_and_decays_only_matrices() -> None:
+def configured_optimizer(*overrides: str) -> torch.optim.Optimizer:
+    """The optimizer `JourneyModule` builds for a tiny model under these config overrides."""
     import lightning as L
 
     from journeys.model import ModelConfig
     from journeys.train import JourneyModule
 
-    settings = load_config(None, ["train.adam_betas=[0.95, 0.999]", "train.weight_decay=0.2"])
+    settings = load_config(None, list(overrides))
     module = JourneyModule(
         ModelConfig(vocab_size=5, d_model=8, n_heads=2, n_layers=1), settings.train
     )
     module.trainer = L.Trainer(max_steps=10, logger=False, enable_checkpointing=False)
-    optimizer = module.configure_optimizers()["optimizer"]
+    return module.configure_optimizers()["optimizer"]
+
+
+def test_optimizer_takes_the_configured_betas_and_decays_only_matrices() -> None:
+    optimizer = configured_optimizer("train.adam_betas=[0.95, 0.999]", "train.weight_decay=0.2")
     assert optimizer.defaults["betas"] == (0.95, 0.999)
     decayed, undecayed = optimizer.param_groups
     assert decayed["weight_decay"] == 0.2 and all(p.dim() >= 2 for p in decayed["params"])
@@ -343,18 +348,9 @@ def test_optimizer_takes_the_configured_betas_and_decays_only_matrices() -> None
 
 
 def test_sgd_optimizer_takes_nesterov_momentum_and_decays_only_matrices() -> None:
-    import lightning as L
-
-    from journeys.model import ModelConfig
-    from journeys.train import JourneyModule
-
-    overrides = ["train.optimizer=sgd", "train.momentum=0.8", "train.weight_decay=1e-4"]
-    settings = load_config(None, [*overrides, "train.lr=0.5"])
-    module = JourneyModule(
-        ModelConfig(vocab_size=5, d_model=8, n_heads=2, n_layers=1), settings.train
+    optimizer = configured_optimizer(
+        "train.optimizer=sgd", "train.momentum=0.8", "train.weight_decay=1e-4", "train.lr=0.5"
     )
-    module.trainer = L.Trainer(max_steps=10, logger=False, enable_checkpointing=False)
-    optimizer = module.configure_optimizers()["optimizer"]
     assert isinstance(optimizer, torch.optim.SGD)
     assert optimizer.defaults["momentum"] == 0.8 and optimizer.defaults["nesterov"]
     decayed, undecayed = optimizer.param_groups
