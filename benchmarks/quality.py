@@ -17,7 +17,9 @@ Usage::
     .venv/bin/python benchmarks/quality.py --quick             # 3k users, one seed, 10 epochs
     .venv/bin/python benchmarks/quality.py --config conf/gpu.yaml --set train.devices=1
 
-Everything is written under `data/bench/quality/` (log, journeys, checkpoints, mlflow.db).
+Everything is written under `data/bench/quality/` (log, journeys, checkpoints, mlflow.db);
+`--workdir DIR` puts all but the simulated log (cached per size and seed) in DIR instead, so
+that two runs can share the machine.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ BENCH = ROOT / "data" / "bench" / "quality"
 METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
 
 
-def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str]):
-    """Simulate (cached per size and seed) and ingest; return the config and truth folder."""
+def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str], work: Path):
+    """Simulate (cached per size and seed) and ingest into `work`; return the config and
+    truth folder."""
     from journeys.config import load_config
     from journeys.ingest import run_ingest
     from journeys.simulate import simulate
@@ -49,14 +52,14 @@ def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str]):
     raw = BENCH / f"events-{users}-{sim_seed}"
     if not (raw / "_truth" / "journeys.parquet").exists():
         simulate(raw, users=users, seed=sim_seed)
-    uri = f"sqlite:///{BENCH / 'mlflow.db'}"
+    uri = f"sqlite:///{work / 'mlflow.db'}"
     config = load_config(
         config_path,
         [
             f"paths.raw={raw}",
-            f"paths.journeys={BENCH / 'journeys'}",
-            f"paths.quarantine={BENCH / 'quarantine'}",
-            f"paths.checkpoints={BENCH / 'checkpoints'}",
+            f"paths.journeys={work / 'journeys'}",
+            f"paths.quarantine={work / 'quarantine'}",
+            f"paths.checkpoints={work / 'checkpoints'}",
             f"mlflow.tracking_uri={uri}",
             "mlflow.experiment=journeys-quality",
             "mlflow.registered_model=journey-conversion-quality",
@@ -242,6 +245,7 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=100_000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sim-seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=BENCH, help="journeys, runs, results")
     parser.add_argument("--quick", action="store_true", help="3k users, one seed, 10 epochs")
     parser.add_argument(
         "--effects",
@@ -257,7 +261,7 @@ def main() -> None:
     from journeys.metrics import binary_metrics
     from journeys.train import train_command
 
-    config, truth = prepare(args.users, args.sim_seed, args.config, args.overrides)
+    config, truth = prepare(args.users, args.sim_seed, args.config, args.overrides, args.workdir)
     rows: dict[str, list[dict[str, float]]] = {"oracle (true probability)": []}
     test = TestTruth.load(config, truth)
     oracle = oracle_metrics(test)
@@ -317,7 +321,7 @@ def main() -> None:
         )
         summary[model]["expected_roc_auc"] = [float(auc.mean()), float(auc.std())]
     Console(width=140).print(table)
-    (BENCH / "results.json").write_text(json.dumps(summary, indent=2))
+    (args.workdir / "results.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

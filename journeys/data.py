@@ -193,20 +193,45 @@ class JourneyBatch(NamedTuple):
 
 
 class JourneyDataset(Dataset[int]):
-    """Yields journey indices; `JourneyCollator` does the gathering for a whole batch."""
+    """Yields journey indices (of `subset`, or of all journeys); `JourneyCollator` does the
+    gathering for a whole batch."""
 
-    def __init__(self, encoded: EncodedJourneys) -> None:
+    def __init__(self, encoded: EncodedJourneys, subset: Tensor | None = None) -> None:
         self.encoded = encoded
+        self.subset = subset
 
     def __len__(self) -> int:
-        return len(self.encoded)
+        return len(self.encoded) if self.subset is None else len(self.subset)
 
     def __getitem__(self, index: int) -> int:
-        return int(index)
+        return int(index) if self.subset is None else int(self.subset[index])
 
     def __getitems__(self, indices: Sequence[int]) -> list[int]:
         # The DataLoader hands a whole batch of indices over at once: no per-item calls.
-        return list(indices)
+        if self.subset is None:
+            return list(indices)
+        return self.subset[torch.as_tensor(indices, dtype=torch.int64)].tolist()
+
+    @property
+    def lengths(self) -> Tensor:
+        """Events per item, in item order."""
+        lengths = self.encoded.lengths
+        return lengths if self.subset is None else lengths[self.subset]
+
+
+def sample_negatives(labels: Tensor, fraction: float, seed: int, epoch: int) -> Tensor:
+    """Indices of every positive journey and of `fraction` of the negatives, sorted.
+
+    Which negatives depends only on (seed, epoch), so every DDP rank draws the same ones
+    and each epoch sees others. Their number is fixed (rounded), so every epoch has as many
+    steps as the learning-rate schedule expects.
+    """
+    positives = torch.nonzero(labels > 0).flatten()
+    negatives = torch.nonzero(labels <= 0).flatten()
+    keep = round(fraction * len(negatives))
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    drawn = negatives[torch.randperm(len(negatives), generator=generator)[:keep]]
+    return torch.cat([positives, drawn]).sort().values
 
 
 class JourneyCollator:
@@ -341,13 +366,14 @@ def make_dataloader(
     num_workers: int = 0,
     drop_last: bool = False,
     bucket_batches: int = DEFAULT_BUCKET_BATCHES,
+    subset: Tensor | None = None,
 ) -> DataLoader:
-    """A DataLoader of `JourneyBatch`es over `encoded`.
+    """A DataLoader of `JourneyBatch`es over `encoded` (only the journeys in `subset`, if given).
 
     `group_by_length=False` with `shuffle=False` keeps the journeys' order (scoring);
     otherwise use `batch.index` to map rows back to journeys.
     """
-    dataset = JourneyDataset(encoded)
+    dataset = JourneyDataset(encoded, subset)
     # RandomSampler refuses an empty dataset; an empty loader needs no shuffling anyway.
     sampler: Sampler[int] = (
         EpochRandomSampler(dataset, seed)
@@ -359,7 +385,7 @@ def make_dataloader(
             sampler,
             batch_size,
             drop_last,
-            lengths=encoded.lengths,
+            lengths=dataset.lengths,
             shuffle=shuffle,
             seed=seed,
             bucket_batches=bucket_batches,

@@ -52,6 +52,7 @@ from journeys.data import (
     JourneyBatch,
     encode_journeys,
     make_dataloader,
+    sample_negatives,
 )
 from journeys.errors import InputError, JourneysError
 from journeys.ingest import scan_journeys
@@ -119,6 +120,7 @@ class JourneyDataModule(L.LightningDataModule):
         seed: int = 0,
         group_by_length: bool = True,
         bucket_batches: int = DEFAULT_BUCKET_BATCHES,
+        negative_fraction: float = 1.0,
     ) -> None:
         super().__init__()
         self.journeys_dir = Path(journeys_dir)
@@ -131,6 +133,7 @@ class JourneyDataModule(L.LightningDataModule):
         self.seed = seed
         self.group_by_length = group_by_length
         self.bucket_batches = bucket_batches
+        self.negative_fraction = negative_fraction
         self.splits: dict[str, EncodedJourneys] = {}
 
     @classmethod
@@ -143,6 +146,7 @@ class JourneyDataModule(L.LightningDataModule):
             batch_size=config.train.batch_size,
             num_workers=config.train.num_workers,
             seed=config.train.seed,
+            negative_fraction=config.train.negative_fraction,
         )
 
     @property
@@ -169,7 +173,7 @@ class JourneyDataModule(L.LightningDataModule):
         for split in SPLITS:
             self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+    def _loader(self, split: str, shuffle: bool, subset: torch.Tensor | None = None) -> DataLoader:
         if not self.splits:
             self.setup()
         return make_dataloader(
@@ -180,14 +184,21 @@ class JourneyDataModule(L.LightningDataModule):
             seed=self.seed,
             num_workers=self.num_workers,
             bucket_batches=self.bucket_batches,
+            subset=subset,
         )
 
     def train_dataloader(self) -> DataLoader:
         if not self.splits:
             self.setup()
-        if not len(self.splits["train"]):
+        train = self.splits["train"]
+        if not len(train):
             raise InputError(f"no uncensored train journeys in {self.journeys_dir}")
-        return self._loader("train", shuffle=True)
+        if self.negative_fraction >= 1:
+            return self._loader("train", shuffle=True)
+        # Built anew every epoch (the Trainer reloads it), with other negatives each time.
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        subset = sample_negatives(train.labels, self.negative_fraction, self.seed, epoch)
+        return self._loader("train", shuffle=True, subset=subset)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)
@@ -223,7 +234,10 @@ class JourneyModule(L.LightningModule):
         return out.logits.float()  # bf16-mixed: the loss in float32
 
     def training_step(self, batch: JourneyBatch, batch_idx: int) -> torch.Tensor:
-        logits = self._logits(batch)
+        # With a share f of the negatives, the odds in a batch are 1/f times the full
+        # data's: the loss sees logit + log(1/f), so the model's own logit keeps the full
+        # data's scale (King & Zeng 2001's prior correction, applied while training).
+        logits = self._logits(batch) - math.log(self.train_settings.negative_fraction)
         smoothing = self.train_settings.label_smoothing
         targets = batch.labels * (1 - smoothing) + 0.5 * smoothing
         loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.pos_weight)
@@ -504,6 +518,8 @@ def build_trainer(
         callbacks=callbacks,
         default_root_dir=config.paths.checkpoints,
         log_every_n_steps=1,  # only epoch-level metrics are logged; this just silences a warning
+        # Negative sampling draws other negatives every epoch: a new train loader each time.
+        reload_dataloaders_every_n_epochs=1 if settings.negative_fraction < 1 else 0,
     )
     return trainer, checkpoint
 

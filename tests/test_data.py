@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 
 import polars as pl
@@ -15,6 +16,7 @@ from journeys.data import (
     LengthGroupedBatchSampler,
     encode_journeys,
     make_dataloader,
+    sample_negatives,
     time_bucket_expr,
 )
 from journeys.errors import InputError
@@ -275,6 +277,42 @@ def test_lightning_injects_a_distributed_sampler_into_the_grouped_sampler(frame)
         assert loader.batch_sampler.sampler is inner
         shards.append(torch.cat([batch.index for batch in loader]).tolist())
     assert sorted(shards[0] + shards[1]) == list(range(100))
+
+
+def test_negative_sampling_keeps_every_positive_and_a_fresh_share_of_negatives(frame) -> None:
+    labels = (torch.rand(1000, generator=torch.Generator().manual_seed(0)) < 0.1).float()
+    positives = set(torch.nonzero(labels).flatten().tolist())
+    n_negatives = 1000 - len(positives)
+    epochs = [sample_negatives(labels, 0.25, seed=7, epoch=epoch) for epoch in range(3)]
+    for subset in epochs:
+        assert subset.tolist() == sorted(set(subset.tolist()))  # sorted, no repeats
+        assert positives <= set(subset.tolist())
+        assert len(subset) == len(positives) + round(0.25 * n_negatives)  # same steps each epoch
+    assert not torch.equal(epochs[0], epochs[1])  # other negatives every epoch
+    assert torch.equal(epochs[1], sample_negatives(labels, 0.25, seed=7, epoch=1))
+    assert len(sample_negatives(labels, 1.0, seed=7, epoch=0)) == 1000
+
+    # The subset's loader serves only its journeys, grouped by their own lengths, and
+    # shards across DDP ranks like the full loader (Lightning's injection, as above).
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    encoded = encode_journeys(pl.concat([frame] * 200), VOCABS, n_time_buckets=32)
+    encoded = dataclasses.replace(encoded, labels=labels)
+    subset = epochs[0]
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        loader = make_dataloader(encoded, 16, shuffle=True, subset=subset)
+    served = torch.cat([batch.index for batch in loader])
+    assert sorted(served.tolist()) == subset.tolist()
+    assert torch.equal(torch.cat([b.labels for b in loader]).sum(), labels[subset].sum())
+    shards = []
+    for rank in range(2):
+        inner = DistributedSampler(loader.dataset, num_replicas=2, rank=rank, shuffle=True)
+        sharded = _update_dataloader(loader, inner, mode=RunningStage.TRAINING)
+        shards.append(torch.cat([batch.index for batch in sharded]).tolist())
+    assert len(shards[0]) == len(shards[1])
+    assert set(shards[0]) | set(shards[1]) == set(subset.tolist())
 
 
 def test_batches_feed_the_model(tmp_path, frame) -> None:

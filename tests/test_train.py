@@ -171,6 +171,20 @@ def test_first_model_becomes_champion_and_baselines_share_the_experiment(trained
         assert family in printed
 
 
+def add_callback(monkeypatch: pytest.MonkeyPatch, callback) -> None:
+    """Make `journeys train` run with one more Lightning callback."""
+    from journeys import train
+
+    build = train.build_trainer
+
+    def with_callback(*args, **kwargs):
+        trainer, checkpoint = build(*args, **kwargs)
+        trainer.callbacks.append(callback)
+        return trainer, checkpoint
+
+    monkeypatch.setattr(train, "build_trainer", with_callback)
+
+
 def test_resume_continues_the_interrupted_run(tmp_path: Path, mlflow_env: str, monkeypatch) -> None:
     import lightning as L
 
@@ -185,13 +199,7 @@ def test_resume_continues_the_interrupted_run(tmp_path: Path, mlflow_env: str, m
                 raise RuntimeError("simulated crash after epoch 0")
 
     build = train.build_trainer
-
-    def crashing(*args, **kwargs):
-        trainer, checkpoint = build(*args, **kwargs)
-        trainer.callbacks.append(Interrupt())
-        return trainer, checkpoint
-
-    monkeypatch.setattr(train, "build_trainer", crashing)
+    add_callback(monkeypatch, Interrupt())
     with pytest.raises(RuntimeError, match="simulated crash"):
         train.train_command(config)
     state = json.loads((tmp_path / "checkpoints" / "latest.json").read_text())
@@ -320,6 +328,58 @@ def test_loss_uses_label_smoothing_and_pos_weight() -> None:
         ModelConfig(vocab_size=5, d_model=8, n_heads=2, n_layers=1), settings, 0.1
     )
     assert module.model.head.bias.item() == pytest.approx(math.log(0.1 / 0.9) + math.log(3))
+
+
+def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated(
+    tmp_path: Path, mlflow_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning as L
+
+    from journeys import train
+    from journeys.packaging import load_model
+
+    make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
+    config = tiny_config(
+        tmp_path,
+        mlflow_env,
+        "train.negative_fraction=0.25",
+        "train.max_epochs=15",
+        "train.patience=15",
+        "train.lr=0.03",
+        "train.ema_decay=null",
+        "train.baselines=[]",
+    )
+    seen: dict[int, set[int]] = {}
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen.setdefault(trainer.current_epoch, set()).update(batch.index.tolist())
+
+    add_callback(monkeypatch, Record())
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train.train_command(config)
+
+    frame = pl.read_parquet(tmp_path / "journeys" / "part-00000.parquet")
+    frame = frame.filter(~pl.col("censored"))
+    labels = frame.filter(pl.col("split") == "train").get_column("label").to_numpy()
+    positives, negatives = set(np.flatnonzero(labels)), set(np.flatnonzero(labels == 0))
+    assert len(seen) == 15
+    for indices in seen.values():
+        assert positives <= indices  # every positive, every epoch
+        assert len(indices - positives) == round(0.25 * len(negatives))
+    assert seen[0] != seen[1]  # a fresh draw of negatives
+    # Over 15 epochs nearly every negative is drawn (all but 0.75^15 = 1.3% expected), where
+    # one fixed draw would leave three quarters of them unused.
+    drawn = set().union(*seen.values()) - positives
+    assert drawn <= negatives and len(drawn) > 0.95 * len(negatives)
+
+    # Batches held 4x the odds of conversion; the loss's offset keeps the model's
+    # probabilities on the full data's scale.
+    rate = float(frame.get_column("label").mean())
+    sampled = rate / (rate + 0.25 * (1 - rate))
+    logits = load_model(result.model_uri, mlflow_env).predict_logits(frame)
+    predicted = float(M.sigmoid(logits).mean())
+    assert abs(predicted - rate) < 0.25 * (sampled - rate), (predicted, rate, sampled)
 
 
 def configured_optimizer(*overrides: str) -> torch.optim.Optimizer:
