@@ -226,10 +226,11 @@ class Train(Section):
     ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = 0.999
     pos_weight: Annotated[float, Field(gt=0)] | None = None
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
-    # Share of the negative (unconverted) train journeys drawn afresh every epoch; every
-    # positive is kept, and the loss shifts the logits by log(1 / share), so the model
-    # still predicts the full data's probabilities. See `JourneyModule.training_step`.
-    negative_fraction: Annotated[float, Field(gt=0, le=1)] = 1.0
+    # Negative sampling: each epoch keeps every converted train journey and draws afresh
+    # just enough unconverted ones that conversions make up this share of the epoch; the
+    # loss corrects for it, so probabilities keep the full data's scale. null, or a share
+    # the data already reach: every journey, every epoch. See `journeys.data.fraction_of_negatives`.
+    positive_share: Annotated[float, Field(gt=0, lt=1)] | None = 0.25
     patience: Annotated[int, Field(ge=1)] = 8
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     devices: int | str = 1

@@ -5,11 +5,12 @@
 1. fail fast: the journeys dataset is there and trainable, the tracking store answers;
 2. one MLflow run (created by global rank 0 only, also under DDP) gets the resolved
    config as params and the ingest report;
-3. Lightning fits `JourneyModule` (BCE on logits, AdamW/Adam, warm-up then inverse-sqrt or
-   cosine decay per step, gradient clipping), keeping an exponential moving average (EMA)
-   of the weights, which is what is validated and checkpointed (the best `val_roc_auc`
-   and the last epoch, under `paths.checkpoints/<run_id>/`), stopping early on no
-   improvement;
+3. Lightning fits `JourneyModule` (BCE on logits; each epoch every converted journey and
+   a fresh sample of the others, `train.positive_share`; AdamW/Adam, warm-up then
+   inverse-sqrt or cosine decay per step, gradient clipping), keeping an exponential
+   moving average (EMA) of the weights, which is what is validated and checkpointed (the
+   best `val_roc_auc` and the last epoch, under `paths.checkpoints/<run_id>/`), stopping
+   early on no improvement;
 4. rank 0 reloads the best checkpoint, scores val and test, fits a temperature on val,
    logs test metrics (raw and calibrated), plots and the model (safetensors + JSON), and
    registers it: alias `champion` moves only when `test_roc_auc` beats the champion's;
@@ -51,6 +52,7 @@ from journeys.data import (
     EncodedJourneys,
     JourneyBatch,
     encode_journeys,
+    fraction_of_negatives,
     make_dataloader,
     sample_negatives,
 )
@@ -137,7 +139,9 @@ class JourneyDataModule(L.LightningDataModule):
         self.splits: dict[str, EncodedJourneys] = {}
 
     @classmethod
-    def from_config(cls, config: Config, vocabs: Vocabularies | None = None) -> JourneyDataModule:
+    def from_config(
+        cls, config: Config, vocabs: Vocabularies | None = None, negative_fraction: float = 1.0
+    ) -> JourneyDataModule:
         return cls(
             config.paths.journeys,
             vocabs,
@@ -146,7 +150,7 @@ class JourneyDataModule(L.LightningDataModule):
             batch_size=config.train.batch_size,
             num_workers=config.train.num_workers,
             seed=config.train.seed,
-            negative_fraction=config.train.negative_fraction,
+            negative_fraction=negative_fraction,
         )
 
     @property
@@ -210,14 +214,22 @@ class JourneyDataModule(L.LightningDataModule):
 class JourneyModule(L.LightningModule):
     """`JourneyTransformer` + loss, optimiser, schedule and the logged epoch metrics.
 
-    `train_loss` is the optimised loss (with label smoothing and pos_weight); `val_loss`
-    is the plain log loss, so runs with different loss settings stay comparable.
+    `train_loss` is the optimised loss (with label smoothing and pos_weight, on the
+    epoch's sample of negatives); `val_loss` is the plain log loss on every val journey, so
+    runs with different loss settings stay comparable.
     """
 
-    def __init__(self, model_config: ModelConfig, train: Train, base_rate: float | None = None):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        train: Train,
+        base_rate: float | None = None,
+        negative_fraction: float = 1.0,
+    ):
         super().__init__()
         self.model = JourneyTransformer(model_config)
         self.train_settings = train
+        self.negative_fraction = negative_fraction
         pos_weight = torch.tensor(train.pos_weight) if train.pos_weight else None
         self.register_buffer("pos_weight", pos_weight, persistent=False)
         self.val_auroc = BinaryAUROC()  # accumulates over the epoch, syncs across ranks
@@ -237,7 +249,7 @@ class JourneyModule(L.LightningModule):
         # With a share f of the negatives, the odds in a batch are 1/f times the full
         # data's: the loss sees logit + log(1/f), so the model's own logit keeps the full
         # data's scale (King & Zeng 2001's prior correction, applied while training).
-        logits = self._logits(batch) - math.log(self.train_settings.negative_fraction)
+        logits = self._logits(batch) - math.log(self.negative_fraction)
         smoothing = self.train_settings.label_smoothing
         targets = batch.labels * (1 - smoothing) + 0.5 * smoothing
         loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.pos_weight)
@@ -482,7 +494,7 @@ def evaluate(
 
 
 def build_trainer(
-    config: Config, logger: Logger, checkpoint_dir: Path | None
+    config: Config, logger: Logger, checkpoint_dir: Path | None, sample_each_epoch: bool = False
 ) -> tuple[L.Trainer, ModelCheckpoint]:
     settings = config.train
     checkpoint = ModelCheckpoint(
@@ -519,7 +531,7 @@ def build_trainer(
         default_root_dir=config.paths.checkpoints,
         log_every_n_steps=1,  # only epoch-level metrics are logged; this just silences a warning
         # Negative sampling draws other negatives every epoch: a new train loader each time.
-        reload_dataloaders_every_n_epochs=1 if settings.negative_fraction < 1 else 0,
+        reload_dataloaders_every_n_epochs=1 if sample_each_epoch else 0,
     )
     return trainer, checkpoint
 
@@ -596,15 +608,16 @@ def _train(
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     vocabs = Vocabularies.load(config.paths.journeys)
-    datamodule = JourneyDataModule.from_config(config, vocabs)
+    positives, n_train = sizes["train"]["positives"], sizes["train"]["n"]
+    fraction = fraction_of_negatives(positives, n_train - positives, config.train.positive_share)
+    datamodule = JourneyDataModule.from_config(config, vocabs, fraction)
     model_config = ModelConfig.from_config(config.model, vocabs, max_len=config.journey.max_events)
-    base_rate = sizes["train"]["positives"] / sizes["train"]["n"]
-    module = JourneyModule(model_config, config.train, base_rate)
+    module = JourneyModule(model_config, config.train, positives / n_train, fraction)
     # Off rank 0 the logger never creates a run: its experiment is rank-zero only.
     logger = MLFlowLogger(
         experiment_name=config.mlflow.experiment, tracking_uri=uri, run_id=run_id, log_model=False
     )
-    trainer, checkpoint = build_trainer(config, logger, checkpoint_dir)
+    trainer, checkpoint = build_trainer(config, logger, checkpoint_dir, fraction < 1)
     last = checkpoint_dir / LAST_CHECKPOINT if (resume and checkpoint_dir) else None
     if resume and not (last and last.exists()):
         print("no checkpoint saved yet: training from the start, in the same run")
@@ -672,6 +685,7 @@ def _finish(
             best_score = checkpoint.best_model_score
             extra = {f"n_{split}": float(sizes[split]["n"]) for split in SPLITS}
             extra["n_parameters"] = float(module.model.num_parameters())
+            extra["negative_fraction"] = module.negative_fraction
             if best_score is not None:
                 extra["best_val_roc_auc"] = float(best_score)
             all_metrics = {**scores, **extra}

@@ -15,6 +15,7 @@ from journeys.data import (
     JourneyCollator,
     LengthGroupedBatchSampler,
     encode_journeys,
+    fraction_of_negatives,
     make_dataloader,
     sample_negatives,
     time_bucket_expr,
@@ -277,6 +278,14 @@ def test_lightning_injects_a_distributed_sampler_into_the_grouped_sampler(frame)
         assert loader.batch_sampler.sampler is inner
         shards.append(torch.cat([batch.index for batch in loader]).tolist())
     assert sorted(shards[0] + shards[1]) == list(range(100))
+
+
+def test_negative_fraction_gives_positives_the_configured_share() -> None:
+    # 4% conversions, a quarter wanted: one negative in eight (each epoch 40 + 120 of 1000)
+    assert fraction_of_negatives(40, 960, 0.25) == pytest.approx(0.125)
+    assert fraction_of_negatives(40, 960, None) == 1.0  # off
+    assert fraction_of_negatives(400, 600, 0.25) == 1.0  # positives are already that common
+    assert fraction_of_negatives(10, 0, 0.5) == 1.0
 
 
 def test_negative_sampling_keeps_every_positive_and_a_fresh_share_of_negatives(frame) -> None:

@@ -47,7 +47,7 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
             "baselines": ["prior"],
             # Negative sampling rebuilds the train loader every epoch: both ranks must draw
             # the same journeys and run as many steps, or DDP waits forever (timeout below).
-            "negative_fraction": 0.5,
+            "positive_share": 0.7,
         },
         "mlflow": {"tracking_uri": uri},
     }

@@ -336,13 +336,14 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
     import lightning as L
 
     from journeys import train
+    from journeys.data import fraction_of_negatives
     from journeys.packaging import load_model
 
     make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
     config = tiny_config(
         tmp_path,
         mlflow_env,
-        "train.negative_fraction=0.25",
+        "train.positive_share=0.8",
         "train.max_epochs=15",
         "train.patience=15",
         "train.lr=0.03",
@@ -363,20 +364,22 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
     frame = frame.filter(~pl.col("censored"))
     labels = frame.filter(pl.col("split") == "train").get_column("label").to_numpy()
     positives, negatives = set(np.flatnonzero(labels)), set(np.flatnonzero(labels == 0))
+    fraction = fraction_of_negatives(len(positives), len(negatives), 0.8)
+    assert 0.2 < fraction < 0.3  # this data has about 50% positives
     assert len(seen) == 15
     for indices in seen.values():
         assert positives <= indices  # every positive, every epoch
-        assert len(indices - positives) == round(0.25 * len(negatives))
+        assert len(indices - positives) == round(fraction * len(negatives))
     assert seen[0] != seen[1]  # a fresh draw of negatives
-    # Over 15 epochs nearly every negative is drawn (all but 0.75^15 = 1.3% expected), where
-    # one fixed draw would leave three quarters of them unused.
+    # Over 15 epochs nearly every negative is drawn (all but 1.3-3.5% expected), where one
+    # fixed draw would leave three quarters of them unused.
     drawn = set().union(*seen.values()) - positives
     assert drawn <= negatives and len(drawn) > 0.95 * len(negatives)
 
-    # Batches held 4x the odds of conversion; the loss's offset keeps the model's
+    # Batches held about 4x the odds of conversion; the loss's offset keeps the model's
     # probabilities on the full data's scale.
     rate = float(frame.get_column("label").mean())
-    sampled = rate / (rate + 0.25 * (1 - rate))
+    sampled = rate / (rate + fraction * (1 - rate))
     logits = load_model(result.model_uri, mlflow_env).predict_logits(frame)
     predicted = float(M.sigmoid(logits).mean())
     assert abs(predicted - rate) < 0.25 * (sampled - rate), (predicted, rate, sampled)
