@@ -4,3 +4,8 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# A flow run with no PREFECT_API_URL starts a temporary server. Its very first start on a
+# machine creates and migrates ~/.prefect/prefect.db, which took longer than Prefect's 20 s
+# default on 2 cores: `make run` on a fresh machine died with "Timed out while attempting
+# to connect to ephemeral Prefect API server" (the second start took 5 s).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
