@@ -414,43 +414,42 @@ class TrainResult:
 
 
 @torch.no_grad()
-def attention_by_event_type(
+@torch.no_grad()
+def scores_and_attention(
     model: JourneyTransformer, encoded: EncodedJourneys, vocabs: Vocabularies, batch_size: int
-) -> dict[str, tuple[float, int]]:
-    """Event type -> (mean pooled attention x journey length, occurrences) over `encoded`.
+) -> tuple[np.ndarray, dict[str, tuple[float, int]]]:
+    """Logits [n] in `encoded`'s order and, per event type, (mean pooled attention x journey
+    length, occurrences), in one pass (the explicit-weights path gives the fast path's logits).
 
     Multiplying by the journey length makes 1 the uniform share, so long and short
     journeys weigh alike: > 1 means the model looks at that event type more than average.
     """
-    from journeys.data import make_dataloader
-
     device = next(model.parameters()).device
     size = len(vocabs.event_type)
+    logits = np.zeros(len(encoded), dtype=np.float32)
     sums = torch.zeros(size, dtype=torch.float64)
     counts = torch.zeros(size, dtype=torch.float64)
     model.eval()
     for batch in make_dataloader(encoded, batch_size, shuffle=False):
         mask = batch.mask
-        attention = (
-            model(
-                batch.tokens.to(device),
-                batch.features.to(device),
-                batch.time_buckets.to(device),
-                mask.to(device),
-                attention="pooled",
-            )
-            .attention.float()
-            .cpu()
+        out = model(
+            batch.tokens.to(device),
+            batch.features.to(device),
+            batch.time_buckets.to(device),
+            mask.to(device),
+            attention="pooled",
         )
-        relative = attention * mask.sum(dim=1, keepdim=True)
+        logits[batch.index.numpy()] = out.logits.float().cpu().numpy()
+        relative = out.attention.float().cpu() * mask.sum(dim=1, keepdim=True)
         sums.index_add_(0, batch.tokens[mask], relative[mask].double())
         counts.index_add_(0, batch.tokens[mask], torch.ones(int(mask.sum()), dtype=torch.float64))
     tokens = vocabs.event_type.tokens
-    return {
+    table = {
         tokens[i]: (float(sums[i] / counts[i]), int(counts[i]))
         for i in range(size)
         if counts[i] > 0
     }
+    return logits, table
 
 
 def evaluate(
@@ -461,7 +460,7 @@ def evaluate(
     batch_size = datamodule.eval_batch_size
     val, test = datamodule.splits["val"], datamodule.splits["test"]
     val_logits = packaging.predict_logits(model, val, batch_size)
-    test_logits = packaging.predict_logits(model, test, batch_size)
+    test_logits, attention = scores_and_attention(model, test, vocabs, batch_size)
     val_labels, test_labels = val.labels.numpy(), test.labels.numpy()
 
     temperature = M.fit_temperature(val_logits, val_labels)
@@ -471,7 +470,6 @@ def evaluate(
     scores |= {f"{k}_calibrated": v for k, v in M.binary_metrics(test_labels, calibrated).items()}
     scores["temperature"] = temperature
 
-    attention = attention_by_event_type(model, test, vocabs, batch_size)
     (workdir / "attention_by_event_type.json").write_text(json.dumps(attention, indent=2))
     curves = {MODEL_FAMILY: probs}
     plots = {
