@@ -225,6 +225,15 @@ def model_logits(config, run_id: str, test: TestTruth) -> np.ndarray:
     return load_model(f"runs:/{run_id}/model").predict_logits(test.journeys)
 
 
+def run_seconds(config, run_id: str) -> float:
+    """Wall time of one MLflow run: for the transformer, fit, evaluation and model logging
+    (the baselines that `journeys train` runs afterwards are runs of their own)."""
+    from mlflow import MlflowClient
+
+    info = MlflowClient(tracking_uri=config.mlflow.tracking_uri).get_run(run_id).info
+    return (info.end_time - info.start_time) / 1000
+
+
 def effect_recovery(test: TestTruth, model_logit: np.ndarray) -> list[tuple[str, float, float]]:
     """Least-squares fit of the true logit and of the model's logit on the true features.
 
@@ -279,12 +288,20 @@ def main() -> None:
         ],
         "transformer": [],
     }
+    timing: dict[str, list[float]] = {}
     for seed in args.seeds:
         seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
         start = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):  # one table at the end, not per seed
             result = train_command(seeded)
-        print(f"seed {seed}: trained in {time.perf_counter() - start:.0f} s (run {result.run_id})")
+        command_s = time.perf_counter() - start
+        transformer_s = run_seconds(config, result.run_id)
+        print(
+            f"seed {seed}: `journeys train` took {command_s:.0f} s, of which the transformer "
+            f"run (fit, evaluation, model logging) {transformer_s:.0f} s (run {result.run_id})"
+        )
+        timing.setdefault("train_command_s", []).append(command_s)
+        timing.setdefault("transformer_run_s", []).append(transformer_s)
         rows["oracle (true probability)"].append(oracle)
         rows.setdefault("logreg on the true features", []).append(ceiling)
         rows.setdefault("transformer", []).append(result.metrics)
@@ -324,6 +341,7 @@ def main() -> None:
         )
         summary[model]["expected_roc_auc"] = [float(auc.mean()), float(auc.std())]
     Console(width=140).print(table)
+    summary["seconds"] = timing
     (args.workdir / "results.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -6,13 +6,16 @@ journeys, and times the steps after a warm-up. In the same run it trains the ref
 the same embeddings, pooling and head around `torch.nn.TransformerEncoder` of the same
 size (same parameter count), on the same batches in the same loop, and prints the ratio.
 With `--compare-grouping` it also runs plain (unsorted) batches, to show what length
-grouping saves in padding.
+grouping saves in padding. Each `--variant` also times the product model with other
+settings (comma-separated overrides) and prints how much faster the configured model is.
 
 Usage::
 
     .venv/bin/python benchmarks/train_speed.py                          # conf/default.yaml
     .venv/bin/python benchmarks/train_speed.py --config conf/gpu.yaml --set train.devices=1
     .venv/bin/python benchmarks/train_speed.py --quick --compare-grouping
+    .venv/bin/python benchmarks/train_speed.py --variant model.attention_dropout=0.1 \\
+        --variant model.attention_dropout=0.1,model.dropout=0.1     # what dropout costs
 
 Only one device is used (devices=1, no DDP): the number is per GPU / per CPU process.
 """
@@ -76,6 +79,8 @@ def torch_encoder_model(model_config):
                 batch_first=True,
                 norm_first=config.norm == "pre",
             )
+            # One `dropout` covers everything in torch's layer; match ours on the weights.
+            layer.self_attn.dropout = config.attention_dropout
             self.blocks = nn.ModuleList()
             self.encoder = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
 
@@ -185,12 +190,22 @@ def main() -> None:
     parser.add_argument("--mean-events", type=float, default=12.0)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=2, help="runs per model (even)")
     parser.add_argument("--compare-grouping", action="store_true")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="also time the product model with these overrides (repeatable)",
+    )
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
     if args.quick:
         args.journeys, args.steps, args.warmup = 5_000, 12, 3
+    if args.runs < 2 or args.runs % 2:
+        parser.error("--runs must be an even number, at least 2")
 
     import lightning as L
 
@@ -202,14 +217,20 @@ def main() -> None:
     encoded = random_journeys(
         args.journeys, args.mean_events, config.journey.max_events, sizes, config.train.seed
     )
-    # Interleaved A B B A, best of two each: both models see the same machine load, and
-    # neither always runs first (the first run in a process pays one-off start-up costs).
-    ours, theirs = [], []
-    for reference in (False, True, True, False):
-        result = run(config, encoded, args.steps, args.warmup, True, reference=reference)
-        (theirs if reference else ours).append(result)
-    best = [max(runs, key=lambda r: r["journeys_per_s"]) for runs in (ours, theirs)]
-    results = list(best)
+    # Interleaved A B B A (variants: A B C C B A), repeated; best of `--runs` each: every
+    # model sees the same machine load, none always runs first (the first run in a process
+    # pays one-off start-up costs), and the best run is the one least disturbed by others.
+    entries = [("journeys", config, False), ("torch.nn.TransformerEncoder", config, True)]
+    for variant in args.variant:
+        varied = load_config(args.config, [*args.overrides, *variant.split(",")])
+        entries.append((variant, varied, False))
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in entries}
+    for _ in range(args.runs // 2):
+        for name, settings, reference in entries + entries[::-1]:
+            result = run(settings, encoded, args.steps, args.warmup, True, reference=reference)
+            runs[name].append(result | {"model": name})
+    best = {name: max(results, key=lambda r: r["journeys_per_s"]) for name, results in runs.items()}
+    results = list(best.values())
     if args.compare_grouping:
         results.append(run(config, encoded, args.steps, args.warmup, group_by_length=False))
 
@@ -225,8 +246,12 @@ def main() -> None:
             f"{r['journeys_per_s']:9.0f} journeys/s  {r['events_per_s']:10.0f} events/s  "
             f"padding {r['padding_share']:.0%}  process peak so far {r['peak_memory_mib']:.0f} MiB"
         )
-    ratio = best[0]["journeys_per_s"] / best[1]["journeys_per_s"]
+    ours = best["journeys"]["journeys_per_s"]
+    ratio = ours / best["torch.nn.TransformerEncoder"]["journeys_per_s"]
     print(f"journeys/s, this model / torch.nn.TransformerEncoder: {ratio:.2f} (target >= 1)")
+    for variant in args.variant:
+        faster = ours / best[variant]["journeys_per_s"]
+        print(f"journeys/s, configured / with {variant}: {faster:.2f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))

@@ -57,7 +57,8 @@ class ModelConfig:
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 2
-    dropout: float = 0.1
+    dropout: float = 0.1  # on the summed embeddings and on each residual branch
+    attention_dropout: float = 0.0  # on the attention weights
     positional: Positional = "sinusoidal"
     position_origin: PositionOrigin = "start"
     norm: Norm = "pre"
@@ -109,6 +110,7 @@ class ModelConfig:
             n_heads=model.n_heads,
             n_layers=model.n_layers,
             dropout=model.dropout,
+            attention_dropout=model.attention_dropout,
             positional=model.positional,
             position_origin=model.resolved_position_origin,
             norm=model.norm,
@@ -170,7 +172,7 @@ class SelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
-        self.dropout = config.dropout
+        self.attention_dropout = config.attention_dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(
@@ -185,7 +187,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(d_model, dim=2)
         # [B, L, D] -> [B, H, L, D/H]
         q, k, v = (t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        dropout_p = self.dropout if self.training else 0.0
+        dropout_p = self.attention_dropout if self.training else 0.0
         weights = None
         if full:
             weights = _softmax_weights(q, k, mask)

@@ -271,3 +271,17 @@ def test_padding_embeddings_start_at_zero_and_too_long_input_is_refused() -> Non
     assert model.time_embedding.weight[0].abs().sum() == 0
     with pytest.raises(ValueError, match="max_len"):
         model(**batch([MAX_LEN + 1]))
+
+
+def test_attention_dropout_drops_attention_weights_in_training_only() -> None:
+    inputs = batch(LENGTHS)
+    plain = tiny().train()  # dropout 0 and attention_dropout 0: nothing random
+    torch.testing.assert_close(plain(**inputs).logits, plain(**inputs).logits)
+    dropping = tiny(attention_dropout=0.5).train()  # same weights (same seed)
+    torch.manual_seed(1)
+    first = dropping(**inputs).logits
+    torch.manual_seed(2)
+    assert not torch.allclose(first, dropping(**inputs).logits)
+    torch.testing.assert_close(dropping.eval()(**inputs).logits, plain.eval()(**inputs).logits)
+    settings = Model(d_model=16, n_heads=2, attention_dropout=0.2)
+    assert ModelConfig.from_settings(settings, VOCAB, FEATURES, MAX_LEN).attention_dropout == 0.2

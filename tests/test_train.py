@@ -437,6 +437,18 @@ def test_ece_and_temperature_scaling() -> None:
     assert math.isnan(M.binary_metrics(np.ones(4), np.full(4, 0.5))["test_roc_auc"])
 
 
+def test_code_defaults_are_those_of_conf_default_yaml() -> None:
+    from journeys.config import Config
+
+    root = Path(__file__).resolve().parents[1]
+    from_yaml = load_config(root / "conf" / "default.yaml").flat()
+    from_code = Config().flat()
+    # The file spells the identity column mapping out; in code an empty mapping means it.
+    spelled_out = {key for key in from_yaml if key.startswith("data.columns.")}
+    assert from_code.keys() == from_yaml.keys() - spelled_out
+    assert {key: from_code[key] for key in from_code} == {key: from_yaml[key] for key in from_code}
+
+
 def test_gpu_config_scales_training_and_keeps_everything_else() -> None:
     root = Path(__file__).resolve().parents[1]
     gpu = load_config(root / "conf" / "gpu.yaml").flat()
