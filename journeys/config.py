@@ -236,6 +236,10 @@ class Train(Section):
     # loss corrects for it, so probabilities keep the full data's scale. null, or a share
     # the data already reach: every journey, every epoch. See `journeys.data.fraction_of_negatives`.
     positive_share: Annotated[float, Field(gt=0, lt=1)] | None = 0.25
+    # ... but sampling never leaves a run fewer optimiser steps than this (where the data
+    # have them): on small data it draws more negatives, up to all. 0: the share alone.
+    # 3000 is about what 12 epochs make at 400k users, where the share met the target.
+    min_steps: Annotated[int, Field(ge=0)] = 3000
     patience: Annotated[int, Field(ge=1)] = 8
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     devices: int | str = 1

@@ -219,17 +219,24 @@ class JourneyDataset(Dataset[int]):
         return lengths if self.subset is None else lengths[self.subset]
 
 
-def fraction_of_negatives(positives: int, negatives: int, positive_share: float | None) -> float:
-    """The share of negatives to draw each epoch so that positives make up `positive_share`.
+def fraction_of_negatives(
+    positives: int, negatives: int, positive_share: float | None, min_epoch_journeys: int = 0
+) -> float:
+    """The share of negatives to draw each epoch so that positives make up `positive_share`,
+    or more, so that an epoch holds at least `min_epoch_journeys` (all, if there are fewer).
 
     Why: with a few % conversions most of each batch's gradient is noise from negatives
     that teach little; drawing fewer of them (afresh each epoch, so none is wasted) gives
     more steps on the positives per unit of compute (He et al. 2014, "Practical lessons from
-    predicting clicks on ads at Facebook"). 1.0 when off or when positives are that common.
+    predicting clicks on ads at Facebook"). On small data compute is cheap and the share
+    alone would leave a run too few steps to learn: the floor keeps more negatives there.
+    1.0 when off or when positives are that common.
     """
     if positive_share is None or negatives == 0:
         return 1.0
-    return min(1.0, positives * (1 - positive_share) / (negatives * positive_share))
+    by_share = positives * (1 - positive_share) / (negatives * positive_share)
+    by_floor = (min_epoch_journeys - positives) / negatives
+    return min(1.0, max(by_share, by_floor))
 
 
 def sample_negatives(labels: Tensor, fraction: float, seed: int, epoch: int) -> Tensor:

@@ -606,16 +606,24 @@ def _train(
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     vocabs = Vocabularies.load(config.paths.journeys)
-    positives, n_train = sizes["train"]["positives"], sizes["train"]["n"]
-    fraction = fraction_of_negatives(positives, n_train - positives, config.train.positive_share)
-    datamodule = JourneyDataModule.from_config(config, vocabs, fraction)
-    model_config = ModelConfig.from_config(config.model, vocabs, max_len=config.journey.max_events)
-    module = JourneyModule(model_config, config.train, positives / n_train, fraction)
     # Off rank 0 the logger never creates a run: its experiment is rank-zero only.
     logger = MLFlowLogger(
         experiment_name=config.mlflow.experiment, tracking_uri=uri, run_id=run_id, log_model=False
     )
-    trainer, checkpoint = build_trainer(config, logger, checkpoint_dir, fraction < 1)
+    settings = config.train
+    sampling = settings.positive_share is not None
+    trainer, checkpoint = build_trainer(config, logger, checkpoint_dir, sample_each_epoch=sampling)
+    positives, n_train = sizes["train"]["positives"], sizes["train"]["n"]
+    # A step takes `batch_size` journeys on every rank: epochs of `min_epoch` journeys
+    # make `train.min_steps` steps in `max_epochs`.
+    steps_per_epoch = math.ceil(settings.min_steps / settings.max_epochs)
+    min_epoch = steps_per_epoch * settings.batch_size * trainer.world_size
+    fraction = fraction_of_negatives(
+        positives, n_train - positives, settings.positive_share, min_epoch
+    )
+    datamodule = JourneyDataModule.from_config(config, vocabs, fraction)
+    model_config = ModelConfig.from_config(config.model, vocabs, max_len=config.journey.max_events)
+    module = JourneyModule(model_config, settings, positives / n_train, fraction)
     last = checkpoint_dir / LAST_CHECKPOINT if (resume and checkpoint_dir) else None
     if resume and not (last and last.exists()):
         print("no checkpoint saved yet: training from the start, in the same run")

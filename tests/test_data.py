@@ -288,6 +288,14 @@ def test_negative_fraction_gives_positives_the_configured_share() -> None:
     assert fraction_of_negatives(10, 0, 0.5) == 1.0
 
 
+def test_negative_fraction_keeps_epochs_above_the_floor() -> None:
+    # The share alone gives epochs of 160 journeys; a floor of 400 draws 360 of 960 negatives.
+    assert fraction_of_negatives(40, 960, 0.25, min_epoch_journeys=400) == pytest.approx(0.375)
+    assert fraction_of_negatives(40, 960, 0.25, min_epoch_journeys=100) == pytest.approx(0.125)
+    assert fraction_of_negatives(40, 960, 0.25, min_epoch_journeys=5000) == 1.0  # small data
+    assert fraction_of_negatives(40, 960, None, min_epoch_journeys=400) == 1.0
+
+
 def test_negative_sampling_keeps_every_positive_and_a_fresh_share_of_negatives(frame) -> None:
     labels = (torch.rand(1000, generator=torch.Generator().manual_seed(0)) < 0.1).float()
     positives = set(torch.nonzero(labels).flatten().tolist())

@@ -48,6 +48,7 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
             # Negative sampling rebuilds the train loader every epoch: both ranks must draw
             # the same journeys and run as many steps, or DDP waits forever (timeout below).
             "positive_share": 0.7,
+            "min_steps": 0,
         },
         "mlflow": {"tracking_uri": uri},
     }

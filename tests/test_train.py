@@ -344,6 +344,7 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
         tmp_path,
         mlflow_env,
         "train.positive_share=0.8",
+        "train.min_steps=0",  # 600 journeys: any step floor would keep every negative
         "train.max_epochs=15",
         "train.patience=15",
         "train.lr=0.03",
@@ -366,6 +367,7 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
     positives, negatives = set(np.flatnonzero(labels)), set(np.flatnonzero(labels == 0))
     fraction = fraction_of_negatives(len(positives), len(negatives), 0.8)
     assert 0.2 < fraction < 0.3  # this data has about 50% positives
+    assert result.metrics["negative_fraction"] == pytest.approx(fraction)
     assert len(seen) == 15
     for indices in seen.values():
         assert positives <= indices  # every positive, every epoch
@@ -383,6 +385,18 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
     logits = load_model(result.model_uri, mlflow_env).predict_logits(frame)
     predicted = float(M.sigmoid(logits).mean())
     assert abs(predicted - rate) < 0.25 * (sampled - rate), (predicted, rate, sampled)
+
+
+def test_step_floor_keeps_every_negative_on_small_data(tmp_path: Path, mlflow_env: str) -> None:
+    from journeys import train
+
+    make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
+    overrides = ("train.positive_share=0.8", "train.max_epochs=1", "train.baselines=[]")
+    # ~200 train journeys at batch 64 make 4 steps an epoch, far below the default floor.
+    config = tiny_config(tmp_path, mlflow_env, *overrides)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train.train_command(config)
+    assert result.metrics["negative_fraction"] == 1.0
 
 
 def configured_optimizer(*overrides: str) -> torch.optim.Optimizer:
