@@ -220,8 +220,9 @@ def model_logits(config, run_id: str, test: TestTruth) -> np.ndarray:
     import mlflow
 
     from journeys.packaging import load_model
+    from journeys.tracking import tracking_uri
 
-    mlflow.set_tracking_uri(config.mlflow.tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri(config))
     return load_model(f"runs:/{run_id}/model").predict_logits(test.journeys)
 
 
@@ -230,7 +231,9 @@ def run_seconds(config, run_id: str) -> float:
     (the baselines that `journeys train` runs afterwards are runs of their own)."""
     from mlflow import MlflowClient
 
-    info = MlflowClient(tracking_uri=config.mlflow.tracking_uri).get_run(run_id).info
+    from journeys.tracking import tracking_uri
+
+    info = MlflowClient(tracking_uri=tracking_uri(config)).get_run(run_id).info
     return (info.end_time - info.start_time) / 1000
 
 

@@ -57,7 +57,7 @@ class ModelConfig:
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 2
-    dropout: float = 0.1  # on the summed embeddings and on each residual branch
+    dropout: float = 0.0  # on the summed embeddings and on each residual branch
     attention_dropout: float = 0.0  # on the attention weights
     positional: Positional = "sinusoidal"
     position_origin: PositionOrigin = "start"

@@ -414,7 +414,6 @@ class TrainResult:
 
 
 @torch.no_grad()
-@torch.no_grad()
 def scores_and_attention(
     model: JourneyTransformer, encoded: EncodedJourneys, vocabs: Vocabularies, batch_size: int
 ) -> tuple[np.ndarray, dict[str, tuple[float, int]]]:
@@ -491,8 +490,15 @@ def evaluate(
 # ----------------------------------------------------------------------------- command
 
 
+def min_epoch_journeys(settings: Train, world_size: int) -> int:
+    """Journeys an epoch needs for `train.min_steps` optimiser steps in `train.max_epochs`
+    (a step takes `batch_size` journeys on each of `world_size` ranks)."""
+    steps_per_epoch = math.ceil(settings.min_steps / settings.max_epochs)
+    return steps_per_epoch * settings.batch_size * world_size
+
+
 def build_trainer(
-    config: Config, logger: Logger, checkpoint_dir: Path | None, sample_each_epoch: bool = False
+    config: Config, logger: Logger, checkpoint_dir: Path | None
 ) -> tuple[L.Trainer, ModelCheckpoint]:
     settings = config.train
     checkpoint = ModelCheckpoint(
@@ -528,8 +534,6 @@ def build_trainer(
         callbacks=callbacks,
         default_root_dir=config.paths.checkpoints,
         log_every_n_steps=1,  # only epoch-level metrics are logged; this just silences a warning
-        # Negative sampling draws other negatives every epoch: a new train loader each time.
-        reload_dataloaders_every_n_epochs=1 if sample_each_epoch else 0,
     )
     return trainer, checkpoint
 
@@ -611,16 +615,17 @@ def _train(
         experiment_name=config.mlflow.experiment, tracking_uri=uri, run_id=run_id, log_model=False
     )
     settings = config.train
-    sampling = settings.positive_share is not None
-    trainer, checkpoint = build_trainer(config, logger, checkpoint_dir, sample_each_epoch=sampling)
+    trainer, checkpoint = build_trainer(config, logger, checkpoint_dir)
     positives, n_train = sizes["train"]["positives"], sizes["train"]["n"]
-    # A step takes `batch_size` journeys on every rank: epochs of `min_epoch` journeys
-    # make `train.min_steps` steps in `max_epochs`.
-    steps_per_epoch = math.ceil(settings.min_steps / settings.max_epochs)
-    min_epoch = steps_per_epoch * settings.batch_size * trainer.world_size
     fraction = fraction_of_negatives(
-        positives, n_train - positives, settings.positive_share, min_epoch
+        positives,
+        n_train - positives,
+        settings.positive_share,
+        min_epoch_journeys(settings, trainer.world_size),
     )
+    if fraction < 1:
+        # Other negatives every epoch: the Trainer rebuilds the train loader each time.
+        trainer.reload_dataloaders_every_n_epochs = 1
     datamodule = JourneyDataModule.from_config(config, vocabs, fraction)
     model_config = ModelConfig.from_config(config.model, vocabs, max_len=config.journey.max_events)
     module = JourneyModule(model_config, settings, positives / n_train, fraction)

@@ -399,6 +399,15 @@ def test_step_floor_keeps_every_negative_on_small_data(tmp_path: Path, mlflow_en
     assert result.metrics["negative_fraction"] == 1.0
 
 
+def test_step_floor_counts_every_rank_batch() -> None:
+    from journeys.train import min_epoch_journeys
+
+    settings = load_config(None, ["train.min_steps=3000", "train.max_epochs=12"]).train
+    assert min_epoch_journeys(settings, world_size=1) == 250 * 256  # ceil(3000 / 12) steps
+    assert min_epoch_journeys(settings, world_size=4) == 4 * 250 * 256
+    assert min_epoch_journeys(settings.model_copy(update={"min_steps": 0}), world_size=4) == 0
+
+
 def configured_optimizer(*overrides: str) -> torch.optim.Optimizer:
     """The optimizer `JourneyModule` builds for a tiny model under these config overrides."""
     import lightning as L
