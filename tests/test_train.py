@@ -392,7 +392,7 @@ def test_step_floor_keeps_every_negative_on_small_data(tmp_path: Path, mlflow_en
 
     make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
     overrides = ("train.positive_share=0.8", "train.max_epochs=1", "train.baselines=[]")
-    # ~200 train journeys at batch 64 make 4 steps an epoch, far below the default floor.
+    # The share alone would leave ~5 steps an epoch at batch 64, far below the default floor.
     config = tiny_config(tmp_path, mlflow_env, *overrides)
     with contextlib.redirect_stdout(io.StringIO()):
         result = train.train_command(config)
