@@ -364,7 +364,8 @@ def make_config(
 
 def ingest_cases(config: Config) -> pl.DataFrame:
     """The product's ingest; returns one journey per case (checked) in the ingest schema."""
-    from journeys.ingest import read_journeys, run_ingest
+    from journeys.datasets import read_journeys
+    from journeys.ingest import run_ingest
 
     result = run_ingest(config)
     journeys = read_journeys(result.journeys_folder)
@@ -485,7 +486,7 @@ def _prefix_module_class() -> type:
     import torch.nn.functional as F
 
     from journeys.data import JourneyBatch
-    from journeys.train import JourneyModule
+    from journeys.training import JourneyModule
 
     class PrefixJourneyModule(JourneyModule):
         """The product's `JourneyModule` with the loss at every prefix position.
@@ -585,12 +586,11 @@ def train_transformer(
     import lightning as L
     from lightning.pytorch.callbacks import EarlyStopping
 
-    from journeys.data import make_dataloader
-    from journeys.model import ModelConfig
+    from journeys.data import make_dataloader, model_config_from
 
     started = time.perf_counter()
     L.seed_everything(config.train.seed, workers=True, verbose=False)
-    model_config = ModelConfig.from_config(config.model, vocabs, max_len=max_len)
+    model_config = model_config_from(config.model, vocabs, max_len=max_len)
     lengths = train.lengths.float()
     base_rate = float((train.labels * lengths).sum() / lengths.sum())
     module = _prefix_module_class()(model_config, config.train, base_rate)

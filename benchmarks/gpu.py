@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from journeys.config import load_config  # noqa: E402
-from journeys.model import JourneyTransformer, ModelConfig  # noqa: E402
+from journeys.data import model_config_from_sizes  # noqa: E402
+from journeys.model import JourneyTransformer  # noqa: E402
 
 # Dense bf16 peak (TFLOP/s) by device name; fp32 runs are compared with the same peak.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0}
@@ -74,7 +75,7 @@ def measure(size: Size, precision: str, device: torch.device, steps: int, warmup
             f"model.time_buckets={TIME_BUCKETS}",
         ],
     ).model
-    config = ModelConfig.from_settings(settings, VOCAB, FEATURE_VOCABS, size.seq_len)
+    config = model_config_from_sizes(settings, VOCAB, FEATURE_VOCABS, size.seq_len)
     model = JourneyTransformer(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     b, length = size.batch, size.seq_len

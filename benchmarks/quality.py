@@ -83,7 +83,7 @@ class TestTruth:
     def load(cls, config, truth: Path) -> TestTruth:
         import polars as pl
 
-        from journeys.ingest import scan_journeys
+        from journeys.datasets import scan_journeys
 
         test = (
             scan_journeys(config.paths.journeys)
@@ -199,7 +199,7 @@ def true_feature_ceiling(config, truth: Path, test: TestTruth) -> np.ndarray:
     import polars as pl
     from sklearn.linear_model import LogisticRegression
 
-    from journeys.ingest import scan_journeys
+    from journeys.datasets import scan_journeys
 
     train = (
         scan_journeys(config.paths.journeys)

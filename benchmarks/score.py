@@ -82,14 +82,15 @@ def random_model(journeys: Path) -> Path:
 
     from journeys import packaging
     from journeys.config import load_config
-    from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.data import model_config_from
+    from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
     folder = WORK / "model"
     config = load_config(ROOT / "conf" / "default.yaml", [])
     vocabs = Vocabularies.load(journeys)
     torch.manual_seed(0)
-    settings = ModelConfig.from_config(config.model, vocabs, config.journey.max_events)
+    settings = model_config_from(config.model, vocabs, config.journey.max_events)
     model = JourneyTransformer(settings).eval()
     packaging.save_model_files(folder, model, vocabs, packaging.preprocessing_settings(config))
     return folder

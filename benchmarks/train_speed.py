@@ -101,13 +101,12 @@ def run(
     import lightning as L
     import torch
 
-    from journeys.data import make_dataloader
-    from journeys.model import ModelConfig
-    from journeys.train import JourneyModule, weight_averaging
+    from journeys.data import make_dataloader, model_config_from_sizes
+    from journeys.training import JourneyModule, weight_averaging
 
     settings = config.train
     n_features = encoded.features.size(0)
-    model_config = ModelConfig.from_settings(
+    model_config = model_config_from_sizes(
         config.model,
         vocab_size=int(encoded.tokens.max()) + 1,
         feature_vocab_sizes=tuple(int(encoded.features[i].max()) + 1 for i in range(n_features)),

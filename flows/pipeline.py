@@ -57,6 +57,7 @@ from flows.settings import (
 )
 from journeys import ingest as ingest_lib
 from journeys.config import Config
+from journeys.datasets import PART_FILE
 from journeys.errors import InputError, JourneysError
 from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
 from journeys.storage import scratch_dir
@@ -237,7 +238,7 @@ def ingest_task(config: Config, key: str) -> dict[str, Any]:
         partitions = staged.partitions or [None]
         built = scratch / "built"
         built.mkdir()
-        outs = [built / ingest_lib.PART_FILE.format(i) for i in range(len(partitions))]
+        outs = [built / PART_FILE.format(i) for i in range(len(partitions))]
         with make_task_runner(settings) as runner:
             # No per-partition timeout: a worker thread cannot be interrupted; the
             # ingest task's own timeout bounds the whole stage.
@@ -379,14 +380,14 @@ def train_summary(config: Config, run_id: str) -> dict[str, Any]:
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(run_id)
     name = config.mlflow.registered_model
-    version = run.data.tags.get("registered_model_version", "").rpartition("/")[2] or None
+    version = run.data.tags.get(tracking.REGISTERED_VERSION_TAG, "").rpartition("/")[2] or None
     try:
         champion = int(client.get_model_version_by_alias(name, tracking.CHAMPION_ALIAS).version)
     except MlflowException:
         champion = None
     baselines = client.search_runs(
         [run.info.experiment_id],
-        filter_string=f"tags.comparison_group = '{run_id}'",
+        filter_string=f"tags.{tracking.COMPARISON_GROUP_TAG} = '{run_id}'",
     )
     return {
         "run_id": run_id,
@@ -395,7 +396,7 @@ def train_summary(config: Config, run_id: str) -> dict[str, Any]:
         "registered_model": name,
         "model_version": int(version) if version else None,
         "champion_version": champion,
-        "promoted": run.data.tags.get("champion_decision") == "promoted",
+        "promoted": run.data.tags.get(tracking.CHAMPION_DECISION_TAG) == "promoted",
         "metrics": dict(run.data.metrics),
         "baselines": {
             r.data.tags[tracking.MODEL_FAMILY_TAG].removeprefix("baseline_"): {
@@ -498,11 +499,10 @@ def champion_uri(config: Config) -> tuple[str, str]:
     from mlflow.exceptions import MlflowException
 
     from journeys import tracking
-    from journeys.score import tracking_ready
 
     name = config.mlflow.registered_model
     uri = tracking.tracking_uri(config)
-    if not tracking_ready(uri):  # never create an empty store just to find no model
+    if not tracking.tracking_ready(uri):  # never create an empty store just to find no model
         raise InputError(f"no MLflow store at {uri}: train first")
     client = MlflowClient(tracking_uri=uri)
     try:
@@ -517,7 +517,7 @@ def score_task(config: Config, key: str, model_uri: str) -> dict[str, Any]:
     """Batch-score every journey (censored ones too) with the pinned champion version."""
     from journeys.score import score_command
 
-    result = score_command(config, model_uri=model_uri, attribute=False)
+    result = score_command(config, model_uri=model_uri)
     write_marker(config.paths.scores, key)
     return {
         "rows": result.rows,

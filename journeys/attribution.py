@@ -39,13 +39,9 @@ Tables (Parquet and CSV), computed with Polars explode + group_by (no per-row Py
 Plots (PNG): credit share by touchpoint for each method, attention heatmaps of a few
 high-scoring converting journeys, attention by position from the end.
 
-Integrated gradients (Sundararajan et al. 2017) are computed here in a few lines (no
-captum): the path runs from a zero input embedding (which is exactly the padding
-embedding: id 0 rows are zero) to the journey's summed input embedding (event type + time
-bucket + features), positional encodings and the CLS token held fixed; the target is the
-conversion logit. Per-event attribution = sum over dimensions of embedding x mean gradient
-along the path (midpoint rule, `IG_STEPS` steps). For credit, each journey's positive
-attributions are normalised to 1 (events that lowered the score get no credit).
+Integrated gradients (Sundararajan et al. 2017, `journeys.inference`) run on a sample of
+converting journeys; for credit, each journey's positive attributions are normalised to 1
+(events that lowered the score get no credit).
 """
 
 from __future__ import annotations
@@ -61,11 +57,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from journeys.errors import InputError
+from journeys.datasets import read_metadata, scan_scores
+from journeys.errors import InputError, first_line
+from journeys.plots import plot_credit, plot_examples, plot_position
 from journeys.storage import atomic_dir
 
 if TYPE_CHECKING:
-    import torch
     from matplotlib.figure import Figure
 
     from journeys.config import Config
@@ -82,36 +79,12 @@ METHODS = ("attention", "first_touch", "last_touch", "linear", "markov", "integr
 POSITION_CAP = 20  # positions from the end >= this are pooled into one row
 MARKOV_MAX_STATES = 100  # keep the most frequent touchpoints; one solve per state
 IG_SAMPLE = 256  # converting journeys explained by integrated gradients
-IG_STEPS = 32  # Riemann steps along the path (midpoint rule)
-IG_BATCH_JOURNEYS = 32  # journeys per IG pass (each expands to IG_STEPS rows)
 N_EXAMPLES = 8  # journeys in the attention heatmap
 EXAMPLE_EVENTS = 20  # last events shown per journey in the heatmap
 SEED = 0
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def scan_scores(path: str | Path) -> pl.LazyFrame:
-    """Scores written by `journeys score` (a folder of part files or one Parquet file)."""
-    path = Path(path)
-    if path.is_dir():
-        parts = sorted(path.glob("*.parquet"))
-    elif path.exists():
-        parts = [path]
-    else:
-        raise InputError(f"scores not found at {path}: run `journeys score` first")
-    if not parts:
-        raise InputError(f"no scores (*.parquet) in {path}: run `journeys score` first")
-    try:
-        scores = pl.scan_parquet(parts)
-        schema = scores.collect_schema()
-    except (pl.exceptions.PolarsError, OSError) as err:
-        raise InputError(f"cannot read scores at {path}: {_first_line(err)}") from None
-    missing = [c for c in ("journey_id", "event_type", "attention") if c not in schema]
-    if missing:
-        raise InputError(f"scores at {path} lack column(s) {missing}")
-    return scores
 
 
 def outcome_expr(schema: pl.Schema) -> pl.Expr:
@@ -365,89 +338,16 @@ def markov_attribution(paths: pl.LazyFrame, max_states: int = MARKOV_MAX_STATES)
 # ----------------------------------------------------------------------------- IG
 
 
-def integrated_gradients(
-    model: Any,
-    tokens: torch.Tensor,
-    features: torch.Tensor,
-    time_buckets: torch.Tensor,
-    mask: torch.Tensor,
-    steps: int = IG_STEPS,
-) -> torch.Tensor:
-    """Per-event IG of the conversion logit w.r.t. the summed input embedding [B, L].
-
-    Baseline: zero embeddings (= padding). The embedding modules' outputs are scaled by
-    alpha through forward hooks, so the model runs unchanged; since the input to the
-    first block is their sum, the gradient w.r.t. any one of them is the gradient w.r.t.
-    the sum. Padded positions get 0.
-    """
-    import torch
-
-    batch, _ = tokens.shape
-    device = tokens.device
-    embeddings = model.input_embeddings()
-    model.eval()
-    with torch.no_grad():
-        summed = model.event_embeddings(tokens, features, time_buckets, mask)
-
-    def repeat(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(steps, dim=0)
-
-    alphas = (torch.arange(steps, device=device, dtype=summed.dtype) + 0.5) / steps
-    scale = alphas.repeat(batch)[:, None, None]  # row b * steps + s has alpha_s
-    captured: list[torch.Tensor] = []
-
-    def scale_output(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        scaled = output * scale
-        if module is model.event_embedding:
-            captured.append(scaled)
-        return scaled
-
-    hooks = [embedding.register_forward_hook(scale_output) for embedding in embeddings]
-    try:
-        with torch.enable_grad():
-            logits = model(
-                repeat(tokens), repeat(features), repeat(time_buckets), repeat(mask)
-            ).logits
-            (grad,) = torch.autograd.grad(logits.sum(), captured[0])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    mean_grad = grad.view(batch, steps, *grad.shape[1:]).mean(dim=1)
-    return (summed * mean_grad).sum(dim=-1) * mask
-
-
 def integrated_gradients_frame(
-    loaded: LoadedModel,
-    frame: pl.DataFrame,
-    steps: int = IG_STEPS,
-    batch_journeys: int = IG_BATCH_JOURNEYS,
+    loaded: LoadedModel, frame: pl.DataFrame, steps: int | None = None
 ) -> pl.Series:
     """IG per event for a journeys/scores frame: a list[float32] per journey, aligned with
     the (model-length) lists of `journeys.score.score_frame`."""
-    import torch
+    from journeys.inference import IG_STEPS, list_series, run_integrated_gradients
 
-    from journeys.data import encode_journeys, make_dataloader
-    from journeys.score import _list_series
-
-    model = loaded.model
-    device = next(model.parameters()).device
-    n_time_buckets = int(loaded.preprocessing.get("n_time_buckets", model.config.n_time_buckets))
-    encoded = encode_journeys(frame, loaded.vocabs, n_time_buckets, int(model.config.max_len))
-    values = np.zeros(encoded.n_events, dtype=np.float32)
-    offsets = encoded.offsets
-    for batch in make_dataloader(encoded, batch_journeys, shuffle=False, group_by_length=True):
-        attributions = integrated_gradients(
-            model,
-            batch.tokens.to(device),
-            batch.features.to(device),
-            batch.time_buckets.to(device),
-            batch.mask.to(device),
-            steps,
-        )
-        mask = batch.mask
-        positions = (offsets[batch.index][:, None] + torch.arange(mask.size(1)))[mask].numpy()
-        values[positions] = attributions.detach().float().cpu()[mask].numpy()
-    return _list_series("integrated_gradients", offsets.numpy(), values)
+    encoded = loaded.encode(frame)
+    values = run_integrated_gradients(loaded.model, encoded, steps or IG_STEPS)
+    return list_series("integrated_gradients", encoded.offsets.numpy(), values)
 
 
 def positive_part(column: str) -> pl.Expr:
@@ -471,7 +371,7 @@ def ig_credit(
     converted: pl.LazyFrame,
     sample: int = IG_SAMPLE,
     seed: int = SEED,
-    steps: int = IG_STEPS,
+    steps: int | None = None,
 ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Integrated-gradients credit shares on a random sample of converting journeys."""
     ids = converted.select("journey_id").collect().get_column("journey_id")
@@ -492,7 +392,10 @@ def ig_credit(
         .agg(integrated_gradients=pl.col("weight").cast(pl.Float64).sum() / max(explained, 1))
         .sort("touchpoint")
     )
-    return table, {"ig_sample": frame.height, "ig_explained": explained, "ig_steps": steps}
+    from journeys.inference import IG_STEPS
+
+    summary = {"ig_sample": frame.height, "ig_explained": explained, "ig_steps": steps or IG_STEPS}
+    return table, summary
 
 
 # ----------------------------------------------------------------------------- report
@@ -569,11 +472,11 @@ def build_report(
         summary["note"] = "no converting journeys with a known outcome: no credit to share out"
     examples = _examples(journeys)
     figures = {
-        "credit_by_touchpoint.png": plot_credit(credit_table, dimension),
-        "attention_by_position.png": plot_position(tables["attention_by_position"]),
+        "credit_by_touchpoint.png": plot_credit(credit_table, dimension, methods),
+        "attention_by_position.png": plot_position(tables["attention_by_position"], POSITION_CAP),
     }
     if examples.height:
-        figures["attention_examples.png"] = plot_examples(examples)
+        figures["attention_examples.png"] = plot_examples(examples, EXAMPLE_EVENTS)
     return AttributionReport(tables, summary, figures)
 
 
@@ -633,8 +536,7 @@ def attribute_command(
     warning, when it cannot be loaded); the report is logged to the scoring run when the
     scores name one and the tracking store exists.
     """
-    from journeys.score import read_metadata, tracking_ready
-    from journeys.tracking import tracking_uri
+    from journeys.tracking import tracking_ready, tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     scores = Path(scores or config.paths.scores)
@@ -655,7 +557,7 @@ def attribute_command(
 
             MlflowClient(tracking_uri=store).log_artifacts(run_id, str(out), "attribution")
         except Exception as err:  # the report is written; logging is a bonus
-            _warn(f"could not log the report to MLflow run {run_id}: {_first_line(err)}")
+            _warn(f"could not log the report to MLflow run {run_id}: {first_line(err)}")
     return report
 
 
@@ -665,7 +567,7 @@ _ALIAS_URI = re.compile(r"models:/(?P<name>[^/@]+)@[^/]+/?")
 def _load_scoring_model(metadata: dict[str, Any], store: str) -> LoadedModel | None:
     """The exact model version that wrote the scores (an alias may have moved since)."""
     from journeys.packaging import load_model
-    from journeys.score import tracking_ready
+    from journeys.tracking import tracking_ready
 
     uri = metadata.get("model_uri")
     if not uri:
@@ -698,82 +600,6 @@ def print_credit(report: AttributionReport) -> None:
     for row in credit.iter_rows(named=True):
         table.add_row(row["touchpoint"], *[f"{100 * row[m]:.1f}%" for m in methods])
     Console().print(table)
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def _figure(width: float, height: float) -> Figure:
-    # Figure without pyplot: no global state, no GUI backend, safe in threads and flows.
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height))
-
-
-def plot_credit(credit: pl.DataFrame, dimension: str) -> Figure:
-    """Grouped bars: each method's credit share per touchpoint."""
-    methods = [c for c in credit.columns if c in METHODS]
-    labels = credit.get_column("touchpoint").to_list()
-    figure = _figure(max(6.0, 0.9 * len(labels) * max(1, len(methods)) / 3), 4.0)
-    ax = figure.subplots()
-    width = 0.8 / max(1, len(methods))
-    x = np.arange(len(labels))
-    for i, method in enumerate(methods):
-        ax.bar(x + i * width, credit.get_column(method).to_numpy(), width, label=method)
-    ax.set_xticks(x + 0.4 - width / 2, labels, rotation=30, ha="right")
-    ax.set_ylabel("share of conversions")
-    ax.set_title(f"Credit by {dimension}, per method")
-    if labels:
-        ax.legend(fontsize="small")
-    return figure
-
-
-def plot_position(by_position: pl.DataFrame) -> Figure:
-    """Mean attention per event by position from the end, per outcome."""
-    figure = _figure(6.0, 3.5)
-    ax = figure.subplots()
-    for (outcome,), part in by_position.group_by("outcome", maintain_order=True):
-        part = part.sort("position_from_end")
-        ax.plot(part["position_from_end"], part["mean_attention"], marker="o", label=outcome)
-    ax.set_xlabel(f"position from the end (0 = last event, {POSITION_CAP} = that far or more)")
-    ax.set_ylabel("mean attention per event")
-    if by_position.height:
-        ax.legend(fontsize="small")
-    return figure
-
-
-def plot_examples(examples: pl.DataFrame, max_events: int = EXAMPLE_EVENTS) -> Figure:
-    """Heatmap of attention over the last events of a few journeys, cells labelled by type."""
-    rows = examples.select(
-        "journey_id",
-        pl.col("attention").list.tail(max_events),
-        pl.col("event_type").list.tail(max_events),
-        *(["conversion_probability"] if "conversion_probability" in examples.columns else []),
-    ).to_dicts()
-    width = max(len(r["attention"]) for r in rows)
-    grid = np.full((len(rows), width), np.nan)
-    for i, row in enumerate(rows):
-        grid[i, : len(row["attention"])] = row["attention"]
-    figure = _figure(max(6.0, 0.6 * width), 0.6 * len(rows) + 1.5)
-    ax = figure.subplots()
-    image = ax.imshow(grid, aspect="auto", cmap="viridis")
-    for i, row in enumerate(rows):
-        for j, event in enumerate(row["event_type"]):
-            ax.text(j, i, str(event)[:6], ha="center", va="center", fontsize=6, color="white")
-    labels = [
-        f"{r['journey_id'][:18]}  p={r.get('conversion_probability', float('nan')):.2f}"
-        for r in rows
-    ]
-    ax.set_yticks(range(len(rows)), labels, fontsize=7)
-    ax.set_xlabel(f"event (last {max_events} at most)")
-    ax.set_title("Attention over events of high-scoring journeys")
-    figure.colorbar(image, ax=ax, label="attention")
-    return figure
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _warn(message: str) -> None:

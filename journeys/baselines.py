@@ -205,7 +205,7 @@ def run_baselines(
     from mlflow import MlflowClient
 
     from journeys import metrics as M
-    from journeys import tracking
+    from journeys import plots, tracking
 
     client = MlflowClient(tracking_uri=tracking.tracking_uri(config))
     labels = _labels(test)
@@ -229,9 +229,9 @@ def run_baselines(
             tracking.log_metrics(
                 client, run_id, {**scores, "n_train": train.height, "n_test": test.height}
             )
-            plots = workdir / family
-            for plot in (M.plot_roc, M.plot_pr, M.plot_calibration):
-                path = plot(labels, {family: probs}, plots / f"{plot.__name__[5:]}.png")
+            folder = workdir / family
+            for plot in (plots.plot_roc, plots.plot_pr, plots.plot_calibration):
+                path = plot(labels, {family: probs}, folder / f"{plot.__name__[5:]}.png")
                 client.log_artifact(run_id, str(path), "plots")
         except BaseException:
             client.set_terminated(run_id, "FAILED")

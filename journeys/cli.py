@@ -73,7 +73,7 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from journeys.ingest import scan_journeys
+    from journeys.datasets import scan_journeys
     from journeys.tracking import check_tracking_uri, tracking_uri
 
     config = _config(args)
@@ -87,11 +87,20 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_score(args: argparse.Namespace) -> None:
+    """Score, then build the attribution report from the scores, as the flow does.
+
+    The report goes to `--report`, or to `paths.reports` when the scores went to the
+    default `paths.scores`: scores written elsewhere never overwrite the main report.
+    """
+    from journeys.attribution import attribute_command
     from journeys.score import score_command
 
     config = _config(args)
     with _locked(config, "score"):
-        score_command(config, model_uri=args.model, input_path=args.input, out=args.out)
+        result = score_command(config, model_uri=args.model, input_path=args.input, out=args.out)
+        report = args.report or (None if args.out else config.paths.reports)
+        if report and result.rows:
+            attribute_command(config, scores=result.out, out=report)
 
 
 def cmd_attribute(args: argparse.Namespace) -> None:
@@ -146,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--model", default=None, help="MLflow model URI (default: champion)")
     score.add_argument("--input", default=None, help="raw log or journeys folder")
     score.add_argument("--out", default=None, help="scores folder (default paths.scores)")
+    score.add_argument(
+        "--report",
+        default=None,
+        help="attribution report folder (default paths.reports, only when --out is not given)",
+    )
 
     attr = command("attribute", cmd_attribute, "attribution report from scores")
     attr.add_argument("--scores", default=None, help="scores folder (default paths.scores)")

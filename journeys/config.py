@@ -227,7 +227,7 @@ class Train(Section):
     schedule: Literal["inverse_sqrt", "cosine"] = "cosine"
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     # Validate, checkpoint and ship an exponential moving average of the weights (decay per
-    # step); null: the raw weights. See `journeys.train.ema_update`.
+    # step); null: the raw weights. See `journeys.training.ema_update`.
     ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = 0.999
     pos_weight: Annotated[float, Field(gt=0)] | None = None
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0

@@ -6,8 +6,10 @@
   batch's longest journey (right padding, id 0) in a few vectorised gathers.
 - `LengthGroupedBatchSampler` sorts journeys by length inside large random buckets so that
   batches hold journeys of similar length and little compute goes to padding.
-- `journeys.train.JourneyDataModule` (Lightning) serves these loaders for train/val/test;
+- `journeys.training.JourneyDataModule` (Lightning) serves these loaders for train/val/test;
   this module itself does not import Lightning, so scoring starts fast.
+- `model_config_from` sizes a `ModelConfig` from the `model` config section and the
+  vocabularies (the model file itself knows nothing of the configuration).
 
 Distributed training: the length-grouped batch sampler does not shard by itself. It groups
 whatever index sampler it wraps, and under DDP that is a `DistributedSampler`: Lightning
@@ -41,10 +43,10 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
+from journeys.config import Model, parse_duration
 from journeys.errors import InputError
+from journeys.model import ModelConfig
 from journeys.vocab import PAD_ID, Vocabularies
-
-SPLITS = ("train", "val", "test")
 
 # Time since the previous event -> bucket 1 + floor(log_GROWTH(1 + gap / UNIT)), so bucket 1
 # is [0, (GROWTH - 1) UNIT) (and the first event). The buckets always span UNIT ..
@@ -76,6 +78,46 @@ def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
     scaled = 1.0 + seconds.cast(pl.Float64).clip(lower_bound=0.0) / TIME_BUCKET_UNIT_SECONDS
     bucket = 1 + (scaled.log(growth) + _LOG_EPSILON).floor()
     return bucket.clip(1, max(1, n_time_buckets - 1)).cast(pl.Int64)
+
+
+def visit_bucket(settings: Model) -> int | None:
+    """The time bucket of `model.visit_gap` (None when off): gaps in it or above open a visit."""
+    if settings.visit_gap is None:
+        return None
+    seconds = parse_duration(settings.visit_gap).total_seconds()
+    return int(pl.select(time_bucket_expr(pl.lit(seconds), settings.time_buckets)).item())
+
+
+def model_config_from(settings: Model, vocabs: Vocabularies, max_len: int) -> ModelConfig:
+    """The `ModelConfig` of the `model` config section, sized by the vocabularies.
+
+    `max_len` is the longest journey the model will see (`journey.max_events`).
+    """
+    feature_sizes = tuple(len(vocabs.by_column[name]) for name in vocabs.features)
+    return model_config_from_sizes(settings, len(vocabs.event_type), feature_sizes, max_len)
+
+
+def model_config_from_sizes(
+    settings: Model, vocab_size: int, feature_vocab_sizes: tuple[int, ...], max_len: int
+) -> ModelConfig:
+    """The `ModelConfig` of the `model` config section with explicit vocabulary sizes."""
+    return ModelConfig(
+        vocab_size=vocab_size,
+        feature_vocab_sizes=feature_vocab_sizes,
+        n_time_buckets=settings.time_buckets,
+        d_model=settings.d_model,
+        n_heads=settings.n_heads,
+        n_layers=settings.n_layers,
+        dropout=settings.dropout,
+        attention_dropout=settings.attention_dropout,
+        positional=settings.positional,
+        position_origin=settings.resolved_position_origin,
+        norm=settings.norm,
+        pooling=settings.pooling,
+        causal=settings.causal,
+        max_len=max_len,
+        visit_bucket=visit_bucket(settings),
+    )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from zoneinfo import ZoneInfo
 import polars as pl
 
 from journeys.config import Data
+from journeys.datasets import UTC_US
 from journeys.errors import InputError, first_line
 
 # Logical columns every event log must provide (their raw names come from data.columns).
@@ -26,7 +27,6 @@ REASONS = ("missing_user_id", "missing_event_type", "bad_timestamp", "out_of_ran
 SOURCE, ROW = "source_file", "row_number"
 TS = "ts"  # the parsed UTC timestamp; `timestamp` keeps the original text
 REASON = "reason"
-UTC_US = pl.Datetime("us", "UTC")
 
 # Accepted ISO 8601 layouts after normalising `Z` to `+00:00` and a space to `T`.
 _ISO_WITH_OFFSET = "%Y-%m-%dT%H:%M:%S%.f%:z"
@@ -113,7 +113,8 @@ def _parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
 
     text = raw.cast(pl.String).str.strip_chars()
     iso = text.str.replace(r"[zZ]$", "+00:00").str.replace(" ", "T", literal=True)
-    # Give the formats explicitly: inference has silently returned all-null columns (STACK_NOTES).
+    # Give the formats explicitly: inference has silently returned all-null columns
+    # (docs/stack.md).
     with_offset = iso.str.to_datetime(
         _ISO_WITH_OFFSET, strict=False, time_zone="UTC", time_unit="us"
     )

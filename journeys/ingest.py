@@ -26,6 +26,7 @@ from typing import Any
 import polars as pl
 
 from journeys.config import Config
+from journeys.datasets import NO_SPLIT, PART_FILE, REPORT_FILE, SPLITS, UTC_US, read_journeys
 from journeys.errors import InputError, first_line
 from journeys.events import (
     REASON,
@@ -34,7 +35,6 @@ from journeys.events import (
     ROW,
     SOURCE,
     TS,
-    UTC_US,
     clean_events,
     scan_events,
     user_bucket,
@@ -42,12 +42,8 @@ from journeys.events import (
 from journeys.storage import atomic_dir, scratch_dir, write_json
 from journeys.vocab import Vocabularies, Vocabulary
 
-REPORT_FILE = "ingest_report.json"
 QUARANTINE_FILE = "quarantine.parquet"
-PART_FILE = "part-{:05d}.parquet"
-SPLITS = ("train", "val", "test")
 UNSPLIT = "_unsplit"  # a working column: the journey takes no split (see unsplit_expr)
-NO_SPLIT = "none"  # censored (and near-end converted) journeys: scored, never trained on
 QUARANTINE_BUCKET = -1
 BUCKET = "_bucket"
 ROW_ORDER = "_order"
@@ -56,22 +52,6 @@ ROW_ORDER = "_order"
 def journey_id_expr(user: str = "user_id", start: str = "start_time") -> pl.Expr:
     """Deterministic id: the user and the first event's UTC instant in microseconds."""
     return pl.format("{}-{}", pl.col(user), pl.col(start).dt.epoch("us"))
-
-
-def read_journeys(folder: str | Path) -> pl.DataFrame:
-    """The journeys dataset (all part files) as one frame."""
-    return scan_journeys(folder).collect()
-
-
-def scan_journeys(path: str | Path) -> pl.LazyFrame:
-    """Lazy scan of a journeys dataset: every `*.parquet` in the folder, or one file."""
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"journeys not found at {path}: run `journeys ingest` first")
-    parts = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    if not parts:
-        raise InputError(f"no journeys (*.parquet) in {path}: run `journeys ingest` first")
-    return pl.scan_parquet(parts)
 
 
 def sort_events(events: pl.DataFrame, features: list[str]) -> pl.DataFrame:

@@ -1,4 +1,4 @@
-"""Evaluation: the test metrics every model logs, temperature scaling and the plots.
+"""Evaluation: the test metrics every model logs, their intervals and temperature scaling.
 
 All functions take plain NumPy arrays (labels in {0, 1}, probabilities or logits), so the
 transformer and the baselines are scored by exactly the same code.
@@ -7,8 +7,6 @@ transformer and the baselines are scored by exactly the same code.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 
@@ -23,8 +21,10 @@ TEMPERATURE_RANGE = (0.05, 20.0)
 METRIC_NAMES = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
 
 
-def sigmoid(logits: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))
+def sigmoid(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """Numerically stable logistic in float64 (tanh form: no overflow for large |x|)."""
+    x = np.asarray(logits, dtype=np.float64) / temperature
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
 def expected_calibration_error(
@@ -89,104 +89,3 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray, max_iter: int = 100)
     return float(np.clip(temperature, *TEMPERATURE_RANGE))
 
 
-# ----------------------------------------------------------------------------- plots
-
-
-def _figure():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 4.5), dpi=110)
-    return plt, fig, ax
-
-
-def _save(plt, fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def plot_roc(labels: np.ndarray, curves: Mapping[str, np.ndarray], path: Path) -> Path:
-    """ROC curve of each named probability vector."""
-    from sklearn.metrics import roc_auc_score, roc_curve
-
-    plt, fig, ax = _figure()
-    for name, probs in curves.items():
-        if np.unique(labels).size == 2:
-            fpr, tpr, _ = roc_curve(labels, probs)
-            ax.plot(fpr, tpr, label=f"{name} (AUC {roc_auc_score(labels, probs):.3f})")
-    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
-    ax.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC (test)")
-    ax.legend(loc="lower right", fontsize=8)
-    return _save(plt, fig, path)
-
-
-def plot_pr(labels: np.ndarray, curves: Mapping[str, np.ndarray], path: Path) -> Path:
-    """Precision-recall curve of each named probability vector, with the base rate."""
-    from sklearn.metrics import average_precision_score, precision_recall_curve
-
-    plt, fig, ax = _figure()
-    for name, probs in curves.items():
-        if np.unique(labels).size == 2:
-            precision, recall, _ = precision_recall_curve(labels, probs)
-            ap = average_precision_score(labels, probs)
-            ax.plot(recall, precision, label=f"{name} (AP {ap:.3f})")
-    base_rate = float(np.mean(labels)) if len(labels) else 0.0
-    ax.axhline(
-        base_rate, color="grey", linestyle=":", linewidth=1, label=f"base rate {base_rate:.3f}"
-    )
-    ax.set(xlabel="recall", ylabel="precision", title="Precision-recall (test)", ylim=(0, 1.02))
-    ax.legend(loc="upper right", fontsize=8)
-    return _save(plt, fig, path)
-
-
-def plot_calibration(
-    labels: np.ndarray, curves: Mapping[str, np.ndarray], path: Path, n_bins: int = ECE_BINS
-) -> Path:
-    """Reliability diagram: observed conversion rate against mean predicted probability."""
-    plt, fig, ax = _figure()
-    labels = np.asarray(labels, dtype=np.float64)
-    for name, probs in curves.items():
-        probs = np.asarray(probs, dtype=np.float64)
-        bins = np.clip((probs * n_bins).astype(np.int64), 0, n_bins - 1)
-        count = np.bincount(bins, minlength=n_bins)
-        used = count > 0
-        predicted = np.bincount(bins, weights=probs, minlength=n_bins)[used] / count[used]
-        observed = np.bincount(bins, weights=labels, minlength=n_bins)[used] / count[used]
-        ece = expected_calibration_error(labels, probs, n_bins)
-        ax.plot(predicted, observed, marker="o", markersize=3, label=f"{name} (ECE {ece:.3f})")
-    ax.plot([0, 1], [0, 1], color="grey", linestyle=":", linewidth=1)
-    ax.set(
-        xlabel="mean predicted probability",
-        ylabel="observed conversion rate",
-        title=f"Calibration (test, {n_bins} bins)",
-        xlim=(0, 1),
-        ylim=(0, 1),
-    )
-    ax.legend(loc="upper left", fontsize=8)
-    return _save(plt, fig, path)
-
-
-def plot_attention_by_event_type(table: Mapping[str, tuple[float, int]], path: Path) -> Path:
-    """Bars of mean attention per event type (relative to uniform; 1 = an average event).
-
-    `table` maps event type -> (mean relative attention, number of occurrences).
-    """
-    plt, fig, ax = _figure()
-    items = sorted(table.items(), key=lambda item: item[1][0])
-    names = [name for name, _ in items]
-    values = [value for _, (value, _) in items]
-    ax.barh(names, values, color="tab:blue")
-    ax.axvline(1.0, color="grey", linestyle=":", linewidth=1)
-    for i, (_, (value, count)) in enumerate(items):
-        ax.text(value, i, f" n={count:,}", va="center", fontsize=7)
-    ax.set(
-        xlabel="mean pooled attention x journey length (1 = uniform)",
-        title="Attention by event type (test)",
-    )
-    fig.set_size_inches(6, max(3.0, 0.3 * len(names) + 1.5))
-    return _save(plt, fig, path)

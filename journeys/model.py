@@ -5,6 +5,7 @@ Everything the model does is in this file, in the spirit of nanoGPT's `model.py`
 - each event is the sum of embeddings of its event type, each categorical feature, the
   time since the previous event (bucketed in `journeys.data`) and the gap that opened its
   visit (the latest gap of at least `visit_bucket`); id 0 is padding everywhere;
+  `journeys.data.model_config_from` builds the `ModelConfig` from the configuration;
 - a positional encoding (fixed sinusoid, learned table, or none) is added;
 - `n_layers` transformer blocks (self-attention + GELU feed-forward, pre- or post-norm);
 - the journey is pooled (a prepended CLS token, the mean of real events, or the last real
@@ -28,15 +29,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-if TYPE_CHECKING:
-    from journeys.config import Model
-    from journeys.vocab import Vocabularies
 
 Positional = Literal["sinusoidal", "learned", "none"]
 PositionOrigin = Literal["start", "end"]
@@ -88,38 +85,6 @@ class ModelConfig:
     def uses_cls(self) -> bool:
         return self.pooling == "cls" and not self.causal
 
-    @classmethod
-    def from_config(cls, model: Model, vocabs: Vocabularies, max_len: int) -> ModelConfig:
-        """Settings from the `model` config section, sizes from the vocabularies.
-
-        `max_len` is the longest journey the model will see (`journey.max_events`).
-        """
-        feature_sizes = tuple(len(vocabs.by_column[name]) for name in vocabs.features)
-        return cls.from_settings(model, len(vocabs.event_type), feature_sizes, max_len)
-
-    @classmethod
-    def from_settings(
-        cls, model: Model, vocab_size: int, feature_vocab_sizes: tuple[int, ...], max_len: int
-    ) -> ModelConfig:
-        """Settings from the `model` config section with explicit vocabulary sizes."""
-        return cls(
-            vocab_size=vocab_size,
-            feature_vocab_sizes=feature_vocab_sizes,
-            n_time_buckets=model.time_buckets,
-            d_model=model.d_model,
-            n_heads=model.n_heads,
-            n_layers=model.n_layers,
-            dropout=model.dropout,
-            attention_dropout=model.attention_dropout,
-            positional=model.positional,
-            position_origin=model.resolved_position_origin,
-            norm=model.norm,
-            pooling=model.pooling,
-            causal=model.causal,
-            max_len=max_len,
-            visit_bucket=visit_bucket(model),
-        )
-
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["feature_vocab_sizes"] = list(self.feature_vocab_sizes)
@@ -128,19 +93,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         return cls(**{**data, "feature_vocab_sizes": tuple(data.get("feature_vocab_sizes", ()))})
-
-
-def visit_bucket(model: Model) -> int | None:
-    """The time bucket of `model.visit_gap` (None when off): gaps in it or above open a visit."""
-    if model.visit_gap is None:
-        return None
-    import polars as pl
-
-    from journeys.config import parse_duration
-    from journeys.data import time_bucket_expr
-
-    seconds = parse_duration(model.visit_gap).total_seconds()
-    return int(pl.select(time_bucket_expr(pl.lit(seconds), model.time_buckets)).item())
 
 
 class ModelOutput(NamedTuple):

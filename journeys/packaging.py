@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from journeys.errors import InputError, first_line
+from journeys.vocab import VOCAB_FILE
 
 if TYPE_CHECKING:
     import polars as pl
@@ -39,10 +40,9 @@ if TYPE_CHECKING:
 
 WEIGHTS = "weights.safetensors"
 MODEL_CONFIG = "model_config.json"
-VOCAB = "vocab.json"  # journeys.vocab.VOCAB_FILE
 PREPROCESSING = "preprocessing.json"
 CALIBRATION = "calibration.json"
-MODEL_FILES = (WEIGHTS, MODEL_CONFIG, VOCAB, PREPROCESSING, CALIBRATION)
+MODEL_FILES = (WEIGHTS, MODEL_CONFIG, VOCAB_FILE, PREPROCESSING, CALIBRATION)
 FORMAT_VERSION = 1
 MODEL_NAME = "model"  # the artifact name under the run: runs:/<run_id>/model
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_model.py")
@@ -82,53 +82,34 @@ class LoadedModel:
     temperature: float = 1.0
     model_config: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def max_len(self) -> int:
+        """The most recent events of a journey the model reads."""
+        return int(self.model.config.max_len)
+
+    def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
+        """A journeys frame (ingest schema) as the model's input, with its vocabularies."""
+        from journeys.data import encode_journeys
+
+        n_time_buckets = self.preprocessing.get("n_time_buckets", self.model.config.n_time_buckets)
+        return encode_journeys(frame, self.vocabs, int(n_time_buckets), self.max_len)
+
     def predict_logits(
         self, frame: pl.DataFrame, batch_size: int = PREDICT_BATCH_SIZE
     ) -> np.ndarray:
         """Uncalibrated logits for a journeys frame (ingest schema), in the frame's order."""
-        from journeys.data import encode_journeys
+        from journeys.inference import run_model
 
-        encoded = encode_journeys(
-            frame,
-            self.vocabs,
-            self.preprocessing["n_time_buckets"],
-            self.preprocessing["max_events"],
-        )
-        return predict_logits(self.model, encoded, batch_size)
+        return run_model(self.model, self.encode(frame), batch_size).logits
 
     def predict_proba(
         self, frame: pl.DataFrame, batch_size: int = PREDICT_BATCH_SIZE, calibrated: bool = True
     ) -> np.ndarray:
         """Conversion probabilities; `calibrated` divides logits by the fitted temperature."""
+        from journeys.metrics import sigmoid
+
         logits = self.predict_logits(frame, batch_size)
-        temperature = self.temperature if calibrated else 1.0
-        return 1.0 / (1.0 + np.exp(-logits / temperature))
-
-
-def predict_logits(
-    model: JourneyTransformer, encoded: EncodedJourneys, batch_size: int = PREDICT_BATCH_SIZE
-) -> np.ndarray:
-    """Logits [n] for `EncodedJourneys`, in their order, on the model's device, in float32."""
-    import torch
-
-    from journeys.data import make_dataloader
-
-    device = next(model.parameters()).device
-    out = np.zeros(len(encoded), dtype=np.float32)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        # Grouped by length for little padding; `batch.index` puts rows back in order.
-        for batch in make_dataloader(encoded, batch_size, shuffle=False, group_by_length=True):
-            logits = model(
-                batch.tokens.to(device),
-                batch.features.to(device),
-                batch.time_buckets.to(device),
-                batch.mask.to(device),
-            ).logits
-            out[batch.index.numpy()] = logits.float().cpu().numpy()
-    model.train(was_training)
-    return out
+        return sigmoid(logits, self.temperature if calibrated else 1.0)
 
 
 # ----------------------------------------------------------------------------- save

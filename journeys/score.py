@@ -2,7 +2,7 @@
 
 `journeys score` (`score_command`) loads a logged model (`journeys.packaging.load_model`:
 JSON + safetensors, never pickle) and writes one row per input journey, censored ones
-included, with the columns of CONTRACT §5:
+included, with the columns of the scores contract (`journeys.datasets.scores_schema`):
 
     journey_id, user_id, n_events, conversion_probability (float64, temperature-calibrated),
     event_type, event_time, attention (list[float32], one per event, >= 0, sums to 1),
@@ -23,17 +23,16 @@ passes of `score.batch_size` (grouped by length, so little compute goes to paddi
 written as its own part file into a staging folder, and freed before the next one. The
 staging folder is swapped in atomically when all are done: readers never see half.
 
-After scoring, the attribution report (`journeys.attribution`) is built from the scores
-into `paths.reports`. When the configured MLflow store exists (a server, or a SQLite file
-that is already there) the scoring run is logged to it, params `model_uri`, `rows`, ...,
-with the report as artifacts; scoring never creates a store.
+When the configured MLflow store exists (a server, or a SQLite file that is already there)
+the scoring run is logged to it (params `model_uri`, `rows`, ...); scoring never creates a
+store. The attribution report is a separate stage (`journeys.attribution`) that the command
+line and the flows run after scoring; it reads the scores and logs into the same run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import sys
 import time
@@ -41,66 +40,34 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import polars as pl
 
-from journeys.errors import InputError
+from journeys.datasets import (
+    OPTIONAL_COLUMNS,
+    PART_FILE,
+    REPORT_FILE,
+    UTC_US,
+    count_rows,
+    input_schema,
+    is_journeys_dataset,
+    iter_chunks,
+    parquet_parts,
+    scores_metadata,
+    scores_schema,
+    scoring_columns,
+)
+from journeys.errors import InputError, first_line
 from journeys.storage import atomic_dir, scratch_dir
+from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, tracking_ready
 
 if TYPE_CHECKING:
     import torch
 
     from journeys.config import Config
-    from journeys.data import EncodedJourneys
+    from journeys.model import AttentionMode
     from journeys.packaging import LoadedModel
-
-AttentionMode = Literal["pooled", "rollout"]
-
-PART_FILE = "part-{:05d}.parquet"
-# Scoring facts (model, run, input) ride in each part file's Parquet key-value metadata:
-# the scores folder stays Parquet-only, so `pl.scan_parquet(folder)` keeps working.
-METADATA_KEY = "journeys.scoring"
-CHAMPION_ALIAS = "champion"  # journeys.tracking.CHAMPION_ALIAS (not imported: it is light)
-READ_BUFFER_BYTES = 1 << 20  # Parquet pages are streamed through a buffer of this size
-JOURNEYS_MARKER = "vocab.json"  # with part-*.parquet, marks a journeys dataset folder
-UTC_US = pl.Datetime("us", "UTC")
-
-REQUIRED_COLUMNS = ("journey_id", "user_id", "event_type", "event_time")
-# Columns copied through when the input has them (and their output types).
-OPTIONAL_COLUMNS: dict[str, pl.DataType] = {
-    "label": pl.Int8(),
-    "censored": pl.Boolean(),
-    "split": pl.String(),
-    "n_events_total": pl.Int32(),
-}
-
-
-# ----------------------------------------------------------------------------- schema
-
-
-def scores_schema(
-    features: list[str], optional: list[str] | tuple[str, ...] = (), causal: bool = False
-) -> pl.Schema:
-    """The output schema: contract columns, model features, present optional columns."""
-    columns: dict[str, pl.DataType] = {
-        "journey_id": pl.String(),
-        "user_id": pl.String(),
-        "n_events": pl.Int32(),
-        "conversion_probability": pl.Float64(),
-    }
-    if causal:
-        columns["prefix_probability"] = pl.List(pl.Float64())
-    columns |= {
-        "event_type": pl.List(pl.String()),
-        "event_time": pl.List(UTC_US),
-        "attention": pl.List(pl.Float32()),
-    }
-    columns |= {name: pl.List(pl.String()) for name in features}
-    columns |= {name: dtype for name, dtype in OPTIONAL_COLUMNS.items() if name in optional}
-    columns |= {"model_uri": pl.String(), "model_version": pl.String(), "scored_at": UTC_US}
-    return pl.Schema(columns)
 
 
 # ----------------------------------------------------------------------------- model side
@@ -108,90 +75,6 @@ def scores_schema(
 
 def default_model_uri(config: Config) -> str:
     return f"models:/{config.mlflow.registered_model}@{CHAMPION_ALIAS}"
-
-
-def pick_device() -> torch.device:
-    """The GPU when there is one; on CPU, use every core this process may run on."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores))
-    return torch.device("cpu")
-
-
-def sigmoid(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """Numerically stable logistic in float64 (tanh form: no overflow for large |x|)."""
-    x = np.asarray(logits, dtype=np.float64) / temperature
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
-@dataclass(frozen=True)
-class ChunkOutputs:
-    """Model outputs for a chunk, in the chunk's journey order; per-event arrays are flat
-    (journey i's events at `offsets[i]:offsets[i + 1]`)."""
-
-    logits: np.ndarray  # [n] float32
-    offsets: np.ndarray  # [n + 1] int64
-    attention: np.ndarray | None  # [events] float32
-    prefix_logits: np.ndarray | None  # [events] float32 (causal models)
-
-
-def forward_encoded(
-    model: Any,
-    encoded: EncodedJourneys,
-    batch_size: int,
-    attention: AttentionMode | None,
-    device: torch.device | None = None,
-) -> ChunkOutputs:
-    """Run the model over `encoded` in length-grouped batches; outputs back in input order."""
-    import torch
-
-    from journeys.data import make_dataloader
-
-    device = device or next(model.parameters()).device
-    causal = bool(model.config.causal)
-    offsets = encoded.offsets
-    logits = np.zeros(len(encoded), dtype=np.float32)
-    weights = np.zeros(encoded.n_events, dtype=np.float32) if attention else None
-    prefix = np.zeros(encoded.n_events, dtype=np.float32) if causal else None
-    model.eval()
-    with torch.inference_mode():
-        # Grouped by length: batches of similar journeys waste little compute on padding;
-        # `batch.index` puts every row back where it came from.
-        loader = make_dataloader(encoded, batch_size, shuffle=False, group_by_length=True)
-        for batch in loader:
-            out = model(
-                batch.tokens.to(device),
-                batch.features.to(device),
-                batch.time_buckets.to(device),
-                batch.mask.to(device),
-                attention=attention,
-            )
-            index = batch.index
-            logits[index.numpy()] = out.logits.float().cpu().numpy()
-            if weights is None and prefix is None:
-                continue
-            mask = batch.mask
-            # Flat position of every real event of the batch, row-major like mask selection.
-            positions = (offsets[index][:, None] + torch.arange(mask.size(1)))[mask].numpy()
-            if weights is not None:
-                weights[positions] = out.attention.float().cpu()[mask].numpy()
-            if prefix is not None:
-                prefix[positions] = out.prefix_logits.float().cpu()[mask].numpy()
-    return ChunkOutputs(logits, offsets.numpy(), weights, prefix)
-
-
-def _list_series(name: str, offsets: np.ndarray, values: np.ndarray) -> pl.Series:
-    """Flat values + offsets -> a List series without a Python loop (via Arrow)."""
-    import pyarrow as pa
-
-    array = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(values))
-    return pl.Series(name, array)
 
 
 def score_frame(
@@ -208,14 +91,12 @@ def score_frame(
     the list columns cut to the events the model read, attention (unless `attention` is
     None) and the optional columns present in `frame`. No run-level columns.
     """
-    from journeys.data import encode_journeys
+    from journeys.inference import list_series, run_model
+    from journeys.metrics import sigmoid
 
-    model = loaded.model
-    max_len = int(model.config.max_len)
-    n_time_buckets = int(loaded.preprocessing.get("n_time_buckets", model.config.n_time_buckets))
+    max_len = loaded.max_len
     features = loaded.vocabs.features
-    encoded = encode_journeys(frame, loaded.vocabs, n_time_buckets, max_len)
-    outputs = forward_encoded(model, encoded, batch_size, attention, device)
+    outputs = run_model(loaded.model, loaded.encode(frame), batch_size, attention, device)
 
     temperature = float(loaded.temperature)
     columns: list[pl.Series | pl.Expr] = [
@@ -226,10 +107,10 @@ def score_frame(
     ]
     if outputs.prefix_logits is not None:
         probabilities = sigmoid(outputs.prefix_logits, temperature)
-        columns.append(_list_series("prefix_probability", outputs.offsets, probabilities))
+        columns.append(list_series("prefix_probability", outputs.offsets, probabilities))
     columns += [pl.col(c).list.tail(max_len) for c in ("event_type", "event_time", *features)]
     if outputs.attention is not None:
-        columns.append(_list_series("attention", outputs.offsets, outputs.attention))
+        columns.append(list_series("attention", outputs.offsets, outputs.attention))
     columns += [
         pl.col(name).cast(dtype) for name, dtype in OPTIONAL_COLUMNS.items() if name in frame
     ]
@@ -237,22 +118,6 @@ def score_frame(
 
 
 # ----------------------------------------------------------------------------- input side
-
-
-def is_journeys_dataset(path: str | Path) -> bool:
-    """A folder of `part-*.parquet` with `vocab.json` beside them (as ingest writes it), or
-    whose parts hold `event_type` as a list (journeys, not raw events), is a journeys
-    dataset; anything else is read as a raw event log."""
-    path = Path(path)
-    parts = _parquet_parts(path) if path.is_dir() else []
-    if not parts:
-        return False
-    if (path / JOURNEYS_MARKER).exists():
-        return True
-    try:
-        return isinstance(pl.read_parquet_schema(parts[0]).get("event_type"), pl.List)
-    except (pl.exceptions.PolarsError, OSError):
-        return False  # unreadable: let the raw-log reader name the problem
 
 
 def scoring_config(config: Config, preprocessing: dict[str, Any]) -> Config:
@@ -276,69 +141,6 @@ def scoring_config(config: Config, preprocessing: dict[str, Any]) -> Config:
         if key in preprocessing:
             journey[key] = preprocessing[key]
     return Config.model_validate(tree)
-
-
-def _parquet_parts(folder: Path) -> list[Path]:
-    return sorted(folder.glob("part-*.parquet"))
-
-
-def _input_schema(parts: list[Path]) -> pl.Schema:
-    try:
-        return pl.read_parquet_schema(parts[0])
-    except (pl.exceptions.PolarsError, OSError) as err:
-        raise InputError(f"cannot read {parts[0]}: {_first_line(err)}") from None
-
-
-def check_columns(schema: pl.Schema, features: list[str], where: str | Path) -> list[str]:
-    """Raise InputError unless the journeys have what the model needs; return the columns
-    to read (required, features, optional ones present)."""
-    needed = [*REQUIRED_COLUMNS, *features]
-    missing = [name for name in needed if name not in schema]
-    if missing:
-        raise InputError(
-            f"journeys at {where} lack column(s) {missing} that the model needs "
-            f"(model features: {features}); re-ingest with the model's data.features"
-        )
-    return [*needed, *[name for name in OPTIONAL_COLUMNS if name in schema]]
-
-
-def iter_chunks(
-    parts: list[Path], columns: list[str], chunk_journeys: int
-) -> Iterator[pl.DataFrame]:
-    """Journeys in chunks of `chunk_journeys` rows (the last one smaller), in input order.
-
-    Pull-based on purpose: the next rows are read only when the previous chunk has been
-    scored. (Polars' `collect_batches` / `sink_batches` read ahead of a slow consumer and
-    buffered the whole input in a test.) pyarrow streams each file page by page
-    (`buffer_size`, no pre-buffering), so even a huge row group is never decoded at once.
-    Small part files are pooled into full chunks, so length-grouped batching finds
-    journeys of similar length to batch together.
-    """
-    pending: list[pl.DataFrame] = []
-    held = 0
-    for frame in _record_batches(parts, columns, chunk_journeys):
-        pending.append(frame)
-        held += frame.height
-        while held >= chunk_journeys:
-            pooled = pl.concat(pending, how="vertical_relaxed", rechunk=False)
-            yield pooled.slice(0, chunk_journeys)
-            rest = pooled.slice(chunk_journeys)
-            pending, held = ([rest] if rest.height else []), rest.height
-    if held:
-        yield pl.concat(pending, how="vertical_relaxed", rechunk=False)
-
-
-def _record_batches(parts: list[Path], columns: list[str], size: int) -> Iterator[pl.DataFrame]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    for path in parts:
-        try:
-            reader = pq.ParquetFile(path, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
-            for batch in reader.iter_batches(batch_size=size, columns=columns):
-                yield pl.from_arrow(batch)  # type: ignore[misc]
-        except (pa.ArrowException, OSError) as err:
-            raise InputError(f"cannot read {path}: {_first_line(err)}") from None
 
 
 def release_freed_memory() -> None:
@@ -368,24 +170,6 @@ def _libc() -> Any:
     return libc if hasattr(libc, "malloc_trim") else None
 
 
-def _count_rows(parts: list[Path]) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    total = 0
-    for path in parts:
-        try:
-            total += pq.ParquetFile(path).metadata.num_rows
-        except (pa.ArrowException, OSError) as err:
-            raise InputError(f"cannot read {path}: {_first_line(err)}") from None
-    return total
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 # ----------------------------------------------------------------------------- scoring
 
 
@@ -403,7 +187,6 @@ class ScoreResult:
     input: str
     ingest_report: dict[str, Any] | None = None
     run_id: str | None = None
-    reports: Path | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -428,12 +211,14 @@ def score_dataset(
     benchmarks; the product always exports it). An empty input gives one empty part file
     with the full schema.
     """
+    from journeys.inference import pick_device
+
     folder = Path(journeys_folder)
-    parts = _parquet_parts(folder)
+    parts = parquet_parts(folder)
     if not parts:
-        raise InputError(f"no journeys (part-*.parquet) in {folder}")
+        raise InputError(f"no journeys (part-*.parquet) in {folder.absolute()}")
     features = loaded.vocabs.features
-    columns = check_columns(_input_schema(parts), features, folder)
+    columns = scoring_columns(input_schema(parts), features, folder)
     optional = [name for name in OPTIONAL_COLUMNS if name in columns]
     schema = scores_schema(features, optional, causal=bool(loaded.model.config.causal))
     if attention is None:
@@ -445,11 +230,11 @@ def score_dataset(
         pl.lit(loaded.model_version, pl.String).alias("model_version"),
         pl.lit(scored_at, UTC_US).alias("scored_at"),
     ]
-    parquet_metadata = {METADATA_KEY: json.dumps(metadata, default=str)}
+    parquet_metadata = scores_metadata(metadata)
 
     device = pick_device()
     loaded.model.to(device)
-    total = _count_rows(parts)
+    total = count_rows(parts)
     written = 0
     with atomic_dir(out) as staging, _progress(total, progress) as advance:
         index = -1
@@ -524,7 +309,7 @@ def score_input(
     if is_journeys_dataset(source):
         return score_dataset(loaded, source, out, **settings), None
     if not any(ch in str(input_path) for ch in "*?[") and not source.exists():
-        raise InputError(f"input not found: {input_path}")
+        raise InputError(f"input not found: {source.absolute()}")
     out = Path(out)
     ingest_config = scoring_config(config, loaded.preprocessing)
     with scratch_dir(out.parent, "score-ingest") as scratch:
@@ -543,10 +328,8 @@ def score_command(
     model_uri: str | None = None,
     input_path: str | Path | None = None,
     out: str | Path | None = None,
-    *,
-    attribute: bool = True,
 ) -> ScoreResult:
-    """`journeys score`: load the model, score, write the attribution report, log to MLflow.
+    """`journeys score`: load the model, score, log the scoring run to MLflow.
 
     Defaults: model `models:/<mlflow.registered_model>@champion`, input `paths.journeys`,
     output `paths.scores`. A missing model or alias, an unreadable input or columns that
@@ -591,7 +374,7 @@ def score_command(
     result = ScoreResult(
         out=out,
         rows=rows,
-        parts=len(_parquet_parts(out)),
+        parts=len(parquet_parts(out)),
         model_uri=loaded.model_uri,
         model_version=loaded.model_version,
         attention=attention,
@@ -602,19 +385,9 @@ def score_command(
         metadata=metadata,
     )
     _print_summary(result)
-    status = "FAILED"
-    try:
-        if attribute and rows:
-            from journeys.attribution import attribute as build_report
-
-            result.reports = Path(config.paths.reports)
-            build_report(out, result.reports, loaded=loaded)
-            print(f"attribution report -> {result.reports}")
-        status = "FINISHED"
-    finally:
-        if run:
-            run.log(result)
-            run.finish(status)
+    if run:
+        run.log(result)
+        run.finish("FINISHED")
     return result
 
 
@@ -644,19 +417,6 @@ def _print_summary(result: ScoreResult) -> None:
 # ----------------------------------------------------------------------------- MLflow
 
 
-def tracking_ready(uri: str) -> bool:
-    """True when the tracking store exists already: scoring logs there but never creates
-    one (a `sqlite:///mlflow.db` file appearing after `journeys score` would surprise)."""
-    if uri.startswith("sqlite:///"):
-        path = uri.removeprefix("sqlite:///")
-        return path not in ("", ":memory:") and Path(path).exists()
-    if uri.startswith("file:"):
-        return Path(uri.removeprefix("file://").removeprefix("file:")).exists()
-    if "://" not in uri:  # a plain folder store
-        return Path(uri).exists()
-    return True  # a server or a database: it exists by definition
-
-
 @dataclass
 class ScoringRun:
     """The MLflow run of one scoring job (optional: scoring works without a store)."""
@@ -673,10 +433,10 @@ class ScoringRun:
 
             client = MlflowClient(tracking_uri=uri)
             experiment = get_experiment_id(uri, config.mlflow.experiment)
-            run = client.create_run(experiment, run_name="score", tags={"journeys.stage": "score"})
+            run = client.create_run(experiment, run_name="score", tags={STAGE_TAG: "score"})
             return cls(client, run.info.run_id)
         except Exception as err:  # tracking is optional; scoring must not fail on it
-            _warn(f"not logging the scoring run to MLflow ({uri}): {_first_line(err)}")
+            _warn(f"not logging the scoring run to MLflow ({uri}): {first_line(err)}")
             return None
 
     def log(self, result: ScoreResult) -> None:
@@ -703,29 +463,15 @@ class ScoringRun:
                 metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
             )
             if result.ingest_report:
-                self.client.log_dict(self.run_id, result.ingest_report, "ingest_report.json")
-            if result.reports and result.reports.exists():
-                self.client.log_artifacts(self.run_id, str(result.reports), "attribution")
+                self.client.log_dict(self.run_id, result.ingest_report, REPORT_FILE)
         except Exception as err:
-            _warn(f"logging the scoring run to MLflow failed: {_first_line(err)}")
+            _warn(f"logging the scoring run to MLflow failed: {first_line(err)}")
 
     def finish(self, status: str) -> None:
         try:
             self.client.set_terminated(self.run_id, status)
         except Exception as err:
-            _warn(f"could not close MLflow run {self.run_id}: {_first_line(err)}")
-
-
-def read_metadata(scores: str | Path) -> dict[str, Any]:
-    """The scoring facts stored in the first part file's Parquet metadata ({} if none)."""
-    parts = _parquet_parts(Path(scores)) if Path(scores).is_dir() else [Path(scores)]
-    if not parts:
-        return {}
-    try:
-        raw = pl.read_parquet_metadata(parts[0]).get(METADATA_KEY)
-        return json.loads(raw) if raw else {}
-    except (pl.exceptions.PolarsError, OSError, json.JSONDecodeError):
-        return {}
+            _warn(f"could not close MLflow run {self.run_id}: {first_line(err)}")
 
 
 def _warn(message: str) -> None:

@@ -1,6 +1,6 @@
 """MLflow: where runs go, what every run logs, the registry's champion rule, and the UI.
 
-CONTRACT §4: the tracking URI comes from `mlflow.tracking_uri` unless `MLFLOW_TRACKING_URI`
+The tracking URI comes from `mlflow.tracking_uri` unless `MLFLOW_TRACKING_URI`
 is set; runs go to experiment `mlflow.experiment`; the registered model is
 `mlflow.registered_model` and its alias `champion` only moves to a version whose
 `test_roc_auc` beats the current champion's.
@@ -24,14 +24,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from journeys.config import Config, redact_uri
+from journeys.datasets import REPORT_FILE
 from journeys.errors import JourneysError
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 CHAMPION_ALIAS = "champion"
-MODEL_FAMILY_TAG = "model_family"
-INGEST_REPORT = "ingest_report.json"
+# Tags the product sets on runs and model versions, and reads back (flows, summaries).
+MODEL_FAMILY_TAG = "model_family"  # transformer, or baseline_<name>
+STAGE_TAG = "journeys.stage"  # on runs that are not trainings (e.g. score)
+COMPARISON_GROUP_TAG = "comparison_group"  # the transformer run's id, on it and its baselines
+BEST_CHECKPOINT_TAG = "best_checkpoint"
+REGISTERED_VERSION_TAG = "registered_model_version"  # "<name>/<version>"
+CHAMPION_DECISION_TAG = "champion_decision"  # promoted | kept_previous
+CHAMPION_REASON_TAG = "champion_reason"
 # A tracking server that does not answer this fast is treated as unreachable: training
 # must fail before it spends minutes of compute, not when it tries to log the result.
 REACHABILITY_TIMEOUT_S = 5.0
@@ -41,6 +48,19 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 def tracking_uri(config: Config) -> str:
     """`MLFLOW_TRACKING_URI` if set, else `mlflow.tracking_uri` from the config."""
     return os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri
+
+
+def tracking_ready(uri: str) -> bool:
+    """True when the tracking store exists already: scoring logs there but never creates
+    one (a `sqlite:///mlflow.db` file appearing after `journeys score` would surprise)."""
+    if uri.startswith("sqlite:///"):
+        path = uri.removeprefix("sqlite:///")
+        return path not in ("", ":memory:") and Path(path).exists()
+    if uri.startswith("file:"):
+        return Path(uri.removeprefix("file://").removeprefix("file:")).exists()
+    if "://" not in uri:  # a plain folder store
+        return Path(uri).exists()
+    return True  # a server or a database: it exists by definition
 
 
 def check_tracking_uri(uri: str, timeout: float = REACHABILITY_TIMEOUT_S) -> None:
@@ -82,7 +102,7 @@ def use_tracking_uri(uri: str) -> Iterator[None]:
     """Point MLflow's process-wide ("fluent") tracking URI at `uri` for a block.
 
     `mlflow.set_tracking_uri` also writes `MLFLOW_TRACKING_URI` into `os.environ`, which
-    would then override every later config in this process (CONTRACT §4 gives the variable
+    would then override every later config in this process (the documented contract gives the variable
     precedence), and MLflow's own context manager deletes a variable the user had set.
     Both the setting and the variable are restored exactly.
     """
@@ -154,7 +174,7 @@ def log_ingest_report(client: MlflowClient, run_id: str, journeys_folder: str | 
     """The ingest report as an artifact, and its counts as metrics (comparable across runs)."""
     from mlflow.entities import Metric
 
-    path = Path(journeys_folder) / INGEST_REPORT
+    path = Path(journeys_folder) / REPORT_FILE
     if not path.exists():
         return  # a dataset built by hand may have none; training does not need it
     client.log_artifact(run_id, str(path))
@@ -233,10 +253,10 @@ def register_model(
     champion_version = new if promoted else int(champion.version)
 
     decision = "promoted" if promoted else "kept_previous"
-    for key, value in {"champion_decision": decision, "champion_reason": reason}.items():
+    for key, value in {CHAMPION_DECISION_TAG: decision, CHAMPION_REASON_TAG: reason}.items():
         client.set_model_version_tag(name, str(new), key, value)
         client.set_tag(run_id, key, value)
-    client.set_tag(run_id, "registered_model_version", f"{name}/{new}")
+    client.set_tag(run_id, REGISTERED_VERSION_TAG, f"{name}/{new}")
     return Registration(new, champion_version, promoted, reason)
 
 

@@ -17,11 +17,11 @@ from journeys.attribution import (
     attention_by,
     attention_by_position,
     build_report,
-    integrated_gradients,
     markov_attribution,
     rule_based_credit,
 )
 from journeys.cli import main
+from journeys.inference import integrated_gradients
 from journeys.model import JourneyTransformer, ModelConfig
 from journeys.score import score_command
 from journeys.vocab import Vocabularies
@@ -174,9 +174,7 @@ def test_attribute_command_writes_tables_plots_and_one_line_errors(
 ) -> None:
     journeys = journeys_folder(tmp_path / "journeys", n=120)
     model = save_tiny_model(tmp_path / "model", Vocabularies.load(journeys))
-    score_command(
-        config_for(tmp_path), model_uri=str(model), input_path=str(journeys), attribute=False
-    )
+    score_command(config_for(tmp_path), model_uri=str(model), input_path=str(journeys))
     assert not (tmp_path / "reports").exists()
     assert main(["attribute", *settings(tmp_path)]) == 0
     report = tmp_path / "reports"

@@ -222,7 +222,8 @@ def test_leak_free_sequences_hold_no_outcome_event(tmp_path: Path):
 
 
 def test_one_causal_pass_scores_each_prefix_as_if_scored_alone(tmp_path: Path):
-    from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.data import model_config_from
+    from journeys.model import JourneyTransformer
 
     config = bench.make_config("reference", bench.SAMPLE_RAW, tmp_path, ["vocab.min_count=1"])
     log = bench.prepare_log(bench.SAMPLE_RAW, tmp_path, config).path
@@ -233,7 +234,7 @@ def test_one_causal_pass_scores_each_prefix_as_if_scored_alone(tmp_path: Path):
     )
     vocabs = bench.build_vocabularies(frame, config)
     torch.manual_seed(0)
-    model_config = ModelConfig.from_config(config.model, vocabs, max_len=bench.MAX_PREFIX)
+    model_config = model_config_from(config.model, vocabs, max_len=bench.MAX_PREFIX)
     model = JourneyTransformer(model_config).eval()
     one_pass = bench.score_prefixes(model, bench.encode_cases(frame, vocabs, config))
     for row in (0, 3):

@@ -21,7 +21,7 @@ from journeys.data import (
     time_bucket_expr,
 )
 from journeys.errors import InputError
-from journeys.train import JourneyDataModule
+from journeys.training import JourneyDataModule
 from journeys.vocab import Vocabularies, Vocabulary
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -334,11 +334,12 @@ def test_negative_sampling_keeps_every_positive_and_a_fresh_share_of_negatives(f
 
 def test_batches_feed_the_model(tmp_path, frame) -> None:
     from journeys.config import Model
-    from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.data import model_config_from
+    from journeys.model import JourneyTransformer
 
     frame.write_parquet(tmp_path / "journeys.parquet")
     module = JourneyDataModule(tmp_path, VOCABS, n_time_buckets=32, max_len=8, batch_size=4)
-    config = ModelConfig.from_config(Model(d_model=16, n_heads=2, time_buckets=32), VOCABS, 8)
+    config = model_config_from(Model(d_model=16, n_heads=2, time_buckets=32), VOCABS, 8)
     model = JourneyTransformer(config).eval()
     batch = next(iter(make_dataloader(module.encode(frame), 4)))
     out = model(batch.tokens, batch.features, batch.time_buckets, batch.mask, attention="pooled")

@@ -28,9 +28,10 @@ EPOCHS = 2
 def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> None:
     from torchmetrics.classification import BinaryAUROC
 
+    from journeys.inference import run_model
     from journeys.model import JourneyTransformer, ModelConfig
-    from journeys.packaging import load_model, predict_logits
-    from journeys.train import JourneyDataModule
+    from journeys.packaging import load_model
+    from journeys.training import JourneyDataModule
     from journeys.vocab import Vocabularies
 
     folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
@@ -93,7 +94,7 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
     datamodule = JourneyDataModule(folder, vocabs, max_len=64)
     datamodule.setup()
     val = datamodule.splits["val"]
-    logits = predict_logits(model, val)
+    logits = run_model(model, val, batch_size=1024).logits
     probs = torch.sigmoid(torch.from_numpy(logits))  # float32, as in training: same ties
 
     def auc(rows: slice) -> float:

@@ -159,7 +159,7 @@ def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_pipeline_produces_journeys_runs_champion_scores_and_report(pipeline_runs) -> None:
     from mlflow import MlflowClient
 
-    from journeys.ingest import read_journeys
+    from journeys.datasets import read_journeys
 
     tmp, first = pipeline_runs["tmp"], pipeline_runs["first"]
     assert first["simulated"]["users"] == 300
@@ -303,7 +303,7 @@ def test_cli_pipeline_bad_input_exits_2_with_one_line(tmp_path: Path, capsys) ->
 
 def test_partitioned_ingest_gives_the_same_journeys(tmp_path: Path) -> None:
     from flows.pipeline import ingest_flow
-    from journeys.ingest import read_journeys
+    from journeys.datasets import read_journeys
     from journeys.simulate import simulate
 
     simulate(tmp_path / "raw", users=200, seed=5, dirty_rate=0.05, shuffle=True)

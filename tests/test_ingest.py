@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.ingest import REPORT_FILE, ingest, read_journeys, run_ingest
+from journeys.datasets import REPORT_FILE, read_journeys
+from journeys.ingest import ingest, run_ingest
 from journeys.pipeline_lock import LOCK_FILE
 from journeys.vocab import Vocabularies
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from journeys.config import Model
+from journeys.data import model_config_from, model_config_from_sizes
 from journeys.model import JourneyTransformer, ModelConfig, attention_rollout
 from journeys.vocab import Vocabularies, Vocabulary
 
@@ -252,7 +253,7 @@ def test_config_from_settings_round_trips_and_weights_reload() -> None:
             "device": Vocabulary(("<pad>", "<unk>", "mobile", "desktop", "tv")),
         }
     )
-    config = ModelConfig.from_config(Model(d_model=16, n_heads=2), vocabs, max_len=MAX_LEN)
+    config = model_config_from(Model(d_model=16, n_heads=2), vocabs, max_len=MAX_LEN)
     assert (config.vocab_size, config.feature_vocab_sizes) == (4, (3, 5))
     assert ModelConfig.from_dict(config.to_dict()) == config
 
@@ -284,4 +285,4 @@ def test_attention_dropout_drops_attention_weights_in_training_only() -> None:
     assert not torch.allclose(first, dropping(**inputs).logits)
     torch.testing.assert_close(dropping.eval()(**inputs).logits, plain.eval()(**inputs).logits)
     settings = Model(d_model=16, n_heads=2, attention_dropout=0.2)
-    assert ModelConfig.from_settings(settings, VOCAB, FEATURES, MAX_LEN).attention_dropout == 0.2
+    assert model_config_from_sizes(settings, VOCAB, FEATURES, MAX_LEN).attention_dropout == 0.2

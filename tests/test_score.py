@@ -14,17 +14,11 @@ from conftest import EVENT_TYPES, make_journeys_dataset
 from journeys import packaging
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.data import JourneyCollator, encode_journeys
+from journeys.data import JourneyCollator, encode_journeys, model_config_from
+from journeys.datasets import is_journeys_dataset, read_metadata, scores_schema
 from journeys.ingest import run_ingest
-from journeys.model import JourneyTransformer, ModelConfig
-from journeys.score import (
-    is_journeys_dataset,
-    read_metadata,
-    score_command,
-    score_frame,
-    scores_schema,
-    scoring_config,
-)
+from journeys.model import JourneyTransformer
+from journeys.score import score_command, score_frame, scoring_config
 from journeys.vocab import UNK_ID, Vocabularies
 
 MAX_EVENTS = 16  # below the fixture's longest journeys (20): scoring must cut the lists
@@ -50,7 +44,7 @@ def save_tiny_model(
     """
     config = load_config(None, [*TINY, f"journey.max_events={MAX_EVENTS}", *overrides])
     torch.manual_seed(0)
-    model = JourneyTransformer(ModelConfig.from_config(config.model, vocabs, MAX_EVENTS)).eval()
+    model = JourneyTransformer(model_config_from(config.model, vocabs, MAX_EVENTS)).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(std=0.3 if param.dim() > 1 else 0.1)
@@ -142,7 +136,29 @@ def test_one_row_per_journey_and_valid_attention(
     assert scores["model_uri"].unique().to_list() == [str(model)]
     assert scores["scored_at"].null_count() == 0
     assert read_metadata(tmp_path / "scores")["attention"] == mode
-    assert (tmp_path / "reports" / "credit.csv").exists()
+    assert not (tmp_path / "reports").exists()  # the report is its own stage
+
+
+def test_cli_scores_then_attributes_and_out_leaves_the_main_report_alone(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    journeys, model = setup
+    common = ["--model", str(model), "--input", str(journeys), *settings(tmp_path)]
+    assert main(["score", *common]) == 0
+    report = tmp_path / "reports" / "credit.csv"
+    assert report.exists()  # default output: score, then the attribution report
+    before = report.stat().st_mtime_ns, report.read_bytes()
+
+    other = tmp_path / "other-scores"
+    assert main(["score", *common, "--out", str(other)]) == 0
+    assert pl.read_parquet(other / "*.parquet").height > 0
+    assert (report.stat().st_mtime_ns, report.read_bytes()) == before
+    assert not (tmp_path / "other-scores-report").exists()
+
+    asked = tmp_path / "other-report"
+    assert main(["score", *common, "--out", str(other), "--report", str(asked)]) == 0
+    assert (asked / "credit.csv").exists()
+    assert (report.stat().st_mtime_ns, report.read_bytes()) == before
 
 
 def test_probability_and_attention_equal_a_direct_forward_pass(
@@ -346,17 +362,18 @@ def test_champion_is_scored_and_the_run_logged(
     version = mlflow.register_model(info.model_uri, "journey-conversion").version
     client.set_registered_model_alias("journey-conversion", "champion", version)
 
-    result = score_command(config_for(tmp_path), input_path=str(journeys))
+    # The command line scores, then builds the report into the same MLflow run.
+    assert main(["score", "--input", str(journeys), *settings(tmp_path)]) == 0
+    run_id = read_metadata(tmp_path / "scores")["run_id"]
     scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
     assert scores["model_version"].unique().to_list() == [str(version)]
     assert scores["model_uri"].unique().to_list() == ["models:/journey-conversion@champion"]
-    run = client.get_run(result.run_id)
+    run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["rows"] == str(scores.height)
     assert run.data.params["model_uri"] == "models:/journey-conversion@champion"
-    logged = {a.path for a in client.list_artifacts(result.run_id, "attribution")}
+    logged = {a.path for a in client.list_artifacts(run_id, "attribution")}
     assert {"attribution/credit.csv", "attribution/credit_by_touchpoint.png"} <= logged
-    assert read_metadata(tmp_path / "scores")["run_id"] == result.run_id
 
 
 def test_journeys_datasets_are_told_apart_from_raw_logs(

@@ -30,7 +30,8 @@ URI_WITH_PASSWORD = f"http://alice:{SECRET}@127.0.0.1:9"
 def model(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A model folder exactly as `journeys train` logs it (the five artifact files), with
     untrained weights: what is loaded matters here, not how well it scores."""
-    from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.data import model_config_from
+    from journeys.model import JourneyTransformer
     from journeys.packaging import preprocessing_settings, save_model_files
     from journeys.vocab import Vocabularies
 
@@ -38,7 +39,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict:
     journeys = journeys_dataset(root / "journeys", n=100, seed=0)
     config = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.n_layers=1"])
     vocabs = Vocabularies.load(journeys)
-    settings = ModelConfig.from_config(config.model, vocabs, max_len=config.journey.max_events)
+    settings = model_config_from(config.model, vocabs, max_len=config.journey.max_events)
     folder = root / "artifacts"
     save_model_files(folder, JourneyTransformer(settings), vocabs, preprocessing_settings(config))
     env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'no-store.db'}"}

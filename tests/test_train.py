@@ -102,7 +102,7 @@ def test_run_logs_every_contract_metric_param_tag_and_plot(trained) -> None:
 
 
 def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, monkeypatch) -> None:
-    from journeys.ingest import scan_journeys
+    from journeys.datasets import scan_journeys
     from journeys.packaging import load_model
     from journeys.tracking import use_tracking_uri
 
@@ -238,7 +238,7 @@ def test_last_checkpoint_is_the_latest_epoch_not_the_best(
 
 
 def test_ema_update_ramps_up_then_keeps_the_configured_decay() -> None:
-    from journeys.train import EMA_WARMUP, ema_update
+    from journeys.training import EMA_WARMUP, ema_update
 
     averaged, current = torch.zeros(3), torch.ones(3)
     first = ema_update(averaged, current, torch.tensor(0), decay=0.999)
@@ -289,7 +289,7 @@ def test_missing_dataset_fails_before_any_compute(tmp_path: Path, mlflow_env: st
 
 
 def test_lr_schedule_warms_up_then_decays() -> None:
-    from journeys.train import lr_factor
+    from journeys.training import lr_factor
 
     warm = [lr_factor(s, 10, 100, "inverse_sqrt") for s in range(10)]
     assert warm == sorted(warm) and warm[-1] == 1.0
@@ -302,7 +302,7 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 def test_loss_uses_label_smoothing_and_pos_weight() -> None:
     from journeys.data import JourneyBatch
     from journeys.model import ModelConfig
-    from journeys.train import JourneyModule
+    from journeys.training import JourneyModule
 
     settings = load_config(None, ["train.label_smoothing=0.2", "train.pos_weight=3"]).train
     module = JourneyModule(
@@ -400,7 +400,7 @@ def test_step_floor_keeps_every_negative_on_small_data(tmp_path: Path, mlflow_en
 
 
 def test_step_floor_counts_every_rank_batch() -> None:
-    from journeys.train import min_epoch_journeys
+    from journeys.training import min_epoch_journeys
 
     settings = load_config(None, ["train.min_steps=3000", "train.max_epochs=12"]).train
     assert min_epoch_journeys(settings, world_size=1) == 250 * 256  # ceil(3000 / 12) steps
@@ -413,7 +413,7 @@ def configured_optimizer(*overrides: str) -> torch.optim.Optimizer:
     import lightning as L
 
     from journeys.model import ModelConfig
-    from journeys.train import JourneyModule
+    from journeys.training import JourneyModule
 
     settings = load_config(None, list(overrides))
     module = JourneyModule(

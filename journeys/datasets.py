@@ -1,0 +1,276 @@
+"""The product's on-disk datasets: journeys (what ingest writes) and scores (what scoring
+writes). One home for their file names, splits, schemas, scoring metadata and checks.
+
+Both are folders of Parquet part files (`part-00000.parquet`, ...), so `pl.scan_parquet`
+reads either whole. A journeys folder also holds `vocab.json` and `ingest_report.json`.
+Scoring facts (model, run, input) ride in each scores part file's Parquet key-value
+metadata, so the scores folder stays Parquet-only.
+
+Light on purpose (Polars and pyarrow only): the command line, the flows and the checks
+that run before training use it without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from journeys.errors import InputError, first_line
+from journeys.vocab import VOCAB_FILE, Vocabularies
+
+PART_FILE = "part-{:05d}.parquet"
+SPLITS = ("train", "val", "test")
+NO_SPLIT = "none"  # censored (and near-end converted) journeys: scored, never trained on
+UTC_US = pl.Datetime("us", "UTC")
+REPORT_FILE = "ingest_report.json"
+METADATA_KEY = "journeys.scoring"  # the scores' Parquet key-value metadata
+READ_BUFFER_BYTES = 1 << 20  # Parquet pages are streamed through a buffer of this size
+
+# What training needs of a journeys dataset (features come from the configuration).
+TRAINING_COLUMNS = ("journey_id", "label", "censored", "split", "event_type", "event_time")
+# What scoring needs of its input journeys.
+SCORING_COLUMNS = ("journey_id", "user_id", "event_type", "event_time")
+# Columns scoring copies through when the input has them (and their output types).
+OPTIONAL_COLUMNS: dict[str, pl.DataType] = {
+    "label": pl.Int8(),
+    "censored": pl.Boolean(),
+    "split": pl.String(),
+    "n_events_total": pl.Int32(),
+}
+
+
+def parquet_parts(folder: str | Path) -> list[Path]:
+    return sorted(Path(folder).glob("part-*.parquet"))
+
+
+# ----------------------------------------------------------------------------- journeys
+
+
+def scan_journeys(path: str | Path) -> pl.LazyFrame:
+    """Lazy scan of a journeys dataset: every `*.parquet` in the folder, or one file."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"journeys not found at {path.absolute()}: run `journeys ingest` first")
+    parts = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    if not parts:
+        raise InputError(f"no journeys (*.parquet) in {path}: run `journeys ingest` first")
+    return pl.scan_parquet(parts)
+
+
+def read_journeys(folder: str | Path) -> pl.DataFrame:
+    """The journeys dataset (all part files) as one frame."""
+    return scan_journeys(folder).collect()
+
+
+def labelled(journeys: pl.LazyFrame, splits: tuple[str, ...] = SPLITS) -> pl.LazyFrame:
+    """The journeys of `splits` whose label is known (censored ones never are)."""
+    return journeys.filter(~pl.col("censored") & pl.col("split").is_in(splits))
+
+
+def is_journeys_dataset(path: str | Path) -> bool:
+    """A folder of `part-*.parquet` with `vocab.json` beside them (as ingest writes it), or
+    whose parts hold `event_type` as a list (journeys, not raw events), is a journeys
+    dataset; anything else is read as a raw event log."""
+    path = Path(path)
+    parts = parquet_parts(path) if path.is_dir() else []
+    if not parts:
+        return False
+    if (path / VOCAB_FILE).exists():
+        return True
+    try:
+        return isinstance(pl.read_parquet_schema(parts[0]).get("event_type"), pl.List)
+    except (pl.exceptions.PolarsError, OSError):
+        return False  # unreadable: let the raw-log reader name the problem
+
+
+def split_sizes(folder: str | Path) -> dict[str, dict[str, int]]:
+    """{split: {"n": journeys, "positives": conversions}} over the labelled journeys."""
+    counts = (
+        labelled(scan_journeys(folder))
+        .group_by("split")
+        .agg(n=pl.len(), positives=pl.col("label").cast(pl.Int64).sum())
+        .collect()
+    )
+    sizes = {
+        row["split"]: {"n": row["n"], "positives": row["positives"]}
+        for row in counts.iter_rows(named=True)
+    }
+    return {split: sizes.get(split, {"n": 0, "positives": 0}) for split in SPLITS}
+
+
+def check_trainable(folder: str | Path, features: list[str]) -> dict[str, dict[str, int]]:
+    """Raise `InputError` unless the journeys dataset can be trained on; return split sizes.
+
+    Cheap (schema and one aggregation), so it runs before any data is put on tensors.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(
+            f"journeys dataset not found at {folder.absolute()}: run `journeys ingest` first"
+        )
+    schema = scan_journeys(folder).collect_schema()
+    vocabs = Vocabularies.load(folder)
+    missing = [c for c in (*TRAINING_COLUMNS, *features) if c not in schema]
+    if missing:
+        raise InputError(f"journeys at {folder} lack column(s) {missing}: re-run `journeys ingest`")
+    if vocabs.features != list(features):
+        raise InputError(
+            f"vocabularies at {folder} are for features {vocabs.features}, "
+            f"but data.features is {list(features)}: re-run `journeys ingest`"
+        )
+    sizes = split_sizes(folder)
+    for split in SPLITS:
+        if sizes[split]["n"] == 0:
+            raise InputError(
+                f"the {split} split of {folder} is empty: more data or other split.fractions"
+            )
+    train = sizes["train"]
+    if train["positives"] in (0, train["n"]):
+        raise InputError(
+            f"the train split of {folder} has only one class ({train['positives']} conversions)"
+        )
+    return sizes
+
+
+# ----------------------------------------------------------------------------- scores
+
+
+def scores_schema(
+    features: list[str], optional: list[str] | tuple[str, ...] = (), causal: bool = False
+) -> pl.Schema:
+    """The scores' schema: contract columns, model features, present optional columns."""
+    columns: dict[str, pl.DataType] = {
+        "journey_id": pl.String(),
+        "user_id": pl.String(),
+        "n_events": pl.Int32(),
+        "conversion_probability": pl.Float64(),
+    }
+    if causal:
+        columns["prefix_probability"] = pl.List(pl.Float64())
+    columns |= {
+        "event_type": pl.List(pl.String()),
+        "event_time": pl.List(UTC_US),
+        "attention": pl.List(pl.Float32()),
+    }
+    columns |= {name: pl.List(pl.String()) for name in features}
+    columns |= {name: dtype for name, dtype in OPTIONAL_COLUMNS.items() if name in optional}
+    columns |= {"model_uri": pl.String(), "model_version": pl.String(), "scored_at": UTC_US}
+    return pl.Schema(columns)
+
+
+def scan_scores(path: str | Path) -> pl.LazyFrame:
+    """Scores written by `journeys score` (a folder of part files or one Parquet file)."""
+    path = Path(path)
+    if path.is_dir():
+        parts = sorted(path.glob("*.parquet"))
+    elif path.exists():
+        parts = [path]
+    else:
+        raise InputError(f"scores not found at {path.absolute()}: run `journeys score` first")
+    if not parts:
+        raise InputError(f"no scores (*.parquet) in {path}: run `journeys score` first")
+    try:
+        scores = pl.scan_parquet(parts)
+        schema = scores.collect_schema()
+    except (pl.exceptions.PolarsError, OSError) as err:
+        raise InputError(f"cannot read scores at {path}: {first_line(err)}") from None
+    missing = [c for c in ("journey_id", "event_type", "attention") if c not in schema]
+    if missing:
+        raise InputError(f"scores at {path} lack column(s) {missing}")
+    return scores
+
+
+def scores_metadata(metadata: dict[str, Any]) -> dict[str, str]:
+    """The Parquet key-value metadata that carries the scoring facts."""
+    return {METADATA_KEY: json.dumps(metadata, default=str)}
+
+
+def read_metadata(scores: str | Path) -> dict[str, Any]:
+    """The scoring facts stored in the first part file's Parquet metadata ({} if none)."""
+    parts = parquet_parts(scores) if Path(scores).is_dir() else [Path(scores)]
+    if not parts:
+        return {}
+    try:
+        raw = pl.read_parquet_metadata(parts[0]).get(METADATA_KEY)
+        return json.loads(raw) if raw else {}
+    except (pl.exceptions.PolarsError, OSError, json.JSONDecodeError):
+        return {}
+
+
+# ----------------------------------------------------------------------------- reading parts
+
+
+def input_schema(parts: list[Path]) -> pl.Schema:
+    try:
+        return pl.read_parquet_schema(parts[0])
+    except (pl.exceptions.PolarsError, OSError) as err:
+        raise InputError(f"cannot read {parts[0]}: {first_line(err)}") from None
+
+
+def scoring_columns(schema: pl.Schema, features: list[str], where: str | Path) -> list[str]:
+    """Raise InputError unless the journeys have what the model needs; return the columns
+    to read (required, features, optional ones present)."""
+    needed = [*SCORING_COLUMNS, *features]
+    missing = [name for name in needed if name not in schema]
+    if missing:
+        raise InputError(
+            f"journeys at {where} lack column(s) {missing} that the model needs "
+            f"(model features: {features}); re-ingest with the model's data.features"
+        )
+    return [*needed, *[name for name in OPTIONAL_COLUMNS if name in schema]]
+
+
+def count_rows(parts: list[Path]) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    total = 0
+    for path in parts:
+        try:
+            total += pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as err:
+            raise InputError(f"cannot read {path}: {first_line(err)}") from None
+    return total
+
+
+def iter_chunks(
+    parts: list[Path], columns: list[str], chunk_journeys: int
+) -> Iterator[pl.DataFrame]:
+    """Journeys in chunks of `chunk_journeys` rows (the last one smaller), in input order.
+
+    Pull-based on purpose: the next rows are read only when the previous chunk has been
+    used. (Polars' `collect_batches` / `sink_batches` read ahead of a slow consumer and
+    buffered the whole input in a test.) pyarrow streams each file page by page
+    (`buffer_size`, no pre-buffering), so even a huge row group is never decoded at once.
+    Small part files are pooled into full chunks, so length-grouped batching finds
+    journeys of similar length to batch together.
+    """
+    pending: list[pl.DataFrame] = []
+    held = 0
+    for frame in _record_batches(parts, columns, chunk_journeys):
+        pending.append(frame)
+        held += frame.height
+        while held >= chunk_journeys:
+            pooled = pl.concat(pending, how="vertical_relaxed", rechunk=False)
+            yield pooled.slice(0, chunk_journeys)
+            rest = pooled.slice(chunk_journeys)
+            pending, held = ([rest] if rest.height else []), rest.height
+    if held:
+        yield pl.concat(pending, how="vertical_relaxed", rechunk=False)
+
+
+def _record_batches(parts: list[Path], columns: list[str], size: int) -> Iterator[pl.DataFrame]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for path in parts:
+        try:
+            reader = pq.ParquetFile(path, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
+            for batch in reader.iter_batches(batch_size=size, columns=columns):
+                yield pl.from_arrow(batch)  # type: ignore[misc]
+        except (pa.ArrowException, OSError) as err:
+            raise InputError(f"cannot read {path}: {first_line(err)}") from None

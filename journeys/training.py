@@ -1,0 +1,339 @@
+"""The Lightning pieces of training: data, module, schedule, weight average and Trainer.
+
+`journeys.train` runs them (the MLflow run, evaluation, registration); this module holds
+what changes when the way the network learns changes:
+
+- `JourneyDataModule`: train/val/test loaders from the journeys' `split` column, with a
+  fresh sample of negatives every epoch (`train.positive_share`);
+- `JourneyModule`: `JourneyTransformer` + loss (on the journey's logit, or at every prefix
+  with `train.objective: every_prefix`), optimiser and per-step schedule;
+- `ema_update` / `weight_averaging`: the exponential moving average of the weights;
+- `build_trainer`: checkpoints on `val_roc_auc`, early stopping, devices and precision.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import polars as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, WeightAveraging
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader
+from torchmetrics.classification import BinaryAUROC
+
+from journeys.data import (
+    DEFAULT_BUCKET_BATCHES,
+    EncodedJourneys,
+    JourneyBatch,
+    encode_journeys,
+    make_dataloader,
+    sample_negatives,
+)
+from journeys.datasets import SPLITS, labelled, scan_journeys
+from journeys.errors import InputError
+from journeys.model import JourneyTransformer, ModelConfig
+from journeys.vocab import Vocabularies
+
+if TYPE_CHECKING:
+    from journeys.config import Config, Train
+
+LAST_CHECKPOINT = "last.ckpt"
+ADAM_EPS = 1e-9
+COSINE_FLOOR = 0.1  # cosine decays to lr / 10 (nanoGPT's min_lr), not to zero
+EMA_WARMUP = 10  # the EMA's decay ramps up as (1 + n) / (EMA_WARMUP + n) over its first steps
+
+
+def ema_update(
+    averaged: torch.Tensor, current: torch.Tensor, num_averaged: torch.Tensor, decay: float
+) -> torch.Tensor:
+    """One EMA step of a weight, for Lightning's `WeightAveraging(avg_fn=...)`.
+
+    Why: with lr 3e-3 the raw weights jitter from step to step and val AUC with them
+    (by up to 0.005 between epochs at 100k users); the average is smoother and better (quality
+    benchmark, RESULTS.md). The decay ramps up from 0 (as in timm's ModelEma), so a run of
+    a few hundred steps is not stuck near its initial weights.
+    """
+    rate = torch.clamp((1 + num_averaged) / (EMA_WARMUP + num_averaged), max=decay)
+    return averaged + (current - averaged) * (1 - rate)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """LR multiplier: linear warm-up to 1, then inverse-sqrt or cosine decay."""
+    warmup = max(1, warmup_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "inverse_sqrt":
+        return math.sqrt(warmup / (step + 1))
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class JourneyDataModule(L.LightningDataModule):
+    """Train/val/test loaders from the journeys folder's `split` column.
+
+    Censored journeys (unknown label, split `none`) are never in train/val/test. Scoring
+    does not go through here: `journeys.inference.run_model` batches any encoded frame.
+    """
+
+    def __init__(
+        self,
+        journeys_dir: str | Path,
+        vocabs: Vocabularies | None = None,
+        *,
+        n_time_buckets: int = 32,
+        max_len: int | None = None,
+        batch_size: int = 256,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        group_by_length: bool = True,
+        bucket_batches: int = DEFAULT_BUCKET_BATCHES,
+        negative_fraction: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.journeys_dir = Path(journeys_dir)
+        self._vocabs = vocabs
+        self.n_time_buckets = n_time_buckets
+        self.max_len = max_len
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.group_by_length = group_by_length
+        self.bucket_batches = bucket_batches
+        self.negative_fraction = negative_fraction
+        self.splits: dict[str, EncodedJourneys] = {}
+
+    @classmethod
+    def from_config(
+        cls, config: Config, vocabs: Vocabularies | None = None, negative_fraction: float = 1.0
+    ) -> JourneyDataModule:
+        return cls(
+            config.paths.journeys,
+            vocabs,
+            n_time_buckets=config.model.time_buckets,
+            max_len=config.journey.max_events,
+            batch_size=config.train.batch_size,
+            num_workers=config.train.num_workers,
+            seed=config.train.seed,
+            negative_fraction=negative_fraction,
+        )
+
+    @property
+    def vocabs(self) -> Vocabularies:
+        if self._vocabs is None:
+            self._vocabs = Vocabularies.load(self.journeys_dir)
+        return self._vocabs
+
+    def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
+        return encode_journeys(frame, self.vocabs, self.n_time_buckets, self.max_len)
+
+    def _columns(self) -> list[str]:
+        return ["journey_id", "label", "event_type", "event_time", *self.vocabs.features]
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        frame = labelled(scan_journeys(self.journeys_dir)).select("split", *self._columns()).collect()
+        for split in SPLITS:
+            self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
+
+    def _loader(self, split: str, shuffle: bool, subset: torch.Tensor | None = None) -> DataLoader:
+        if not self.splits:
+            self.setup()
+        return make_dataloader(
+            self.splits[split],
+            self.batch_size if shuffle else self.eval_batch_size,
+            shuffle=shuffle,
+            group_by_length=self.group_by_length,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            bucket_batches=self.bucket_batches,
+            subset=subset,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if not self.splits:
+            self.setup()
+        train = self.splits["train"]
+        if not len(train):
+            raise InputError(f"no uncensored train journeys in {self.journeys_dir}")
+        if self.negative_fraction >= 1:
+            return self._loader("train", shuffle=True)
+        # Built anew every epoch (the Trainer reloads it), with other negatives each time.
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        subset = sample_negatives(train.labels, self.negative_fraction, self.seed, epoch)
+        return self._loader("train", shuffle=True, subset=subset)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)
+
+
+class JourneyModule(L.LightningModule):
+    """`JourneyTransformer` + loss, optimiser, schedule and the logged epoch metrics.
+
+    `train_loss` is the optimised loss (with label smoothing and pos_weight, on the
+    epoch's sample of negatives); `val_loss` is the plain log loss on every val journey, so
+    runs with different loss settings stay comparable.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        train: Train,
+        base_rate: float | None = None,
+        negative_fraction: float = 1.0,
+    ):
+        super().__init__()
+        self.model = JourneyTransformer(model_config)
+        self.train_settings = train
+        self.negative_fraction = negative_fraction
+        pos_weight = torch.tensor(train.pos_weight) if train.pos_weight else None
+        self.register_buffer("pos_weight", pos_weight, persistent=False)
+        self.val_auroc = BinaryAUROC()  # accumulates over the epoch, syncs across ranks
+        if base_rate is not None and 0 < base_rate < 1:
+            # Start at the loss-minimising constant (the prior's log-odds, shifted by
+            # pos_weight) rather than at p = 0.5: with a few % conversions the first
+            # hundreds of steps would otherwise only learn the base rate.
+            prior = math.log(base_rate / (1 - base_rate)) + math.log(train.pos_weight or 1.0)
+            with torch.no_grad():
+                self.model.head.bias.fill_(prior)
+
+    def _logits(self, batch: JourneyBatch) -> torch.Tensor:
+        out = self.model(batch.tokens, batch.features, batch.time_buckets, batch.mask)
+        return out.logits.float()  # bf16-mixed: the loss in float32
+
+    def training_step(self, batch: JourneyBatch, batch_idx: int) -> torch.Tensor:
+        # With a share f of the negatives, the odds in a batch are 1/f times the full
+        # data's: the loss sees logit + log(1/f), so the model's own logit keeps the full
+        # data's scale (King & Zeng 2001's prior correction, applied while training).
+        logits = self._logits(batch) - math.log(self.negative_fraction)
+        smoothing = self.train_settings.label_smoothing
+        targets = batch.labels * (1 - smoothing) + 0.5 * smoothing
+        loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.pos_weight)
+        self.log(
+            "train_loss",
+            loss,
+            on_step=False,
+            on_epoch=True,
+            sync_dist=True,
+            batch_size=len(logits),
+            prog_bar=True,
+        )
+        return loss
+
+    def validation_step(self, batch: JourneyBatch, batch_idx: int) -> None:
+        logits = self._logits(batch)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        self.val_auroc.update(torch.sigmoid(logits), batch.labels.long())
+        self.log(
+            "val_loss", loss, on_epoch=True, sync_dist=True, batch_size=len(logits), prog_bar=True
+        )
+        self.log("val_roc_auc", self.val_auroc, on_epoch=True, prog_bar=True)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        settings = self.train_settings
+        # Decay matrices and embeddings, not biases, LayerNorm gains or the CLS vector.
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        if settings.optimizer == "sgd":
+            # torch's SGD adds weight decay to the gradient (L2), where AdamW decouples it:
+            # the same train.weight_decay means far less here (1e-4 against AdamW's 0.1).
+            optimizer = torch.optim.SGD(
+                groups, lr=settings.lr, momentum=settings.momentum, nesterov=True
+            )
+        else:
+            adam = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
+            optimizer = adam(groups, lr=settings.lr, betas=settings.adam_betas, eps=ADAM_EPS)
+        schedule = partial(
+            lr_factor,
+            warmup_steps=settings.warmup_steps,
+            total_steps=int(self.trainer.estimated_stepping_batches),
+            schedule=settings.schedule,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def weight_averaging(settings: Train) -> list[Callback]:
+    """The EMA of the weights as a callback, when `train.ema_decay` is set.
+
+    Validation, checkpoints (so the logged model) and the end of fit use the average;
+    `last.ckpt` also keeps the raw weights, so `--resume` continues both.
+    """
+    if settings.ema_decay is None:
+        return []
+    return [WeightAveraging(avg_fn=partial(ema_update, decay=settings.ema_decay))]
+
+
+def global_rank() -> int:
+    """This process's rank, known before the Trainer starts (env set by the launcher)."""
+    return int(rank_zero_only.rank)
+
+
+
+def min_epoch_journeys(settings: Train, world_size: int) -> int:
+    """Journeys an epoch needs for `train.min_steps` optimiser steps in `train.max_epochs`
+    (a step takes `batch_size` journeys on each of `world_size` ranks)."""
+    steps_per_epoch = math.ceil(settings.min_steps / settings.max_epochs)
+    return steps_per_epoch * settings.batch_size * world_size
+
+
+def build_trainer(
+    config: Config, logger: Logger, checkpoint_dir: Path | None
+) -> tuple[L.Trainer, ModelCheckpoint]:
+    settings = config.train
+    checkpoint = ModelCheckpoint(
+        dirpath=checkpoint_dir,  # None off rank 0: Lightning broadcasts rank 0's
+        filename="best-{epoch:02d}-{val_roc_auc:.4f}",
+        monitor="val_roc_auc",
+        mode="max",
+        save_top_k=1,
+    )
+    # `--resume` needs the latest epoch, but since Lightning 2.6 `save_last` writes only when
+    # a top-k checkpoint is saved, so `last.ckpt` would be the best epoch again. A second
+    # checkpoint without a monitor overwrites `last.ckpt` after every validation instead.
+    last = ModelCheckpoint(
+        dirpath=checkpoint_dir,
+        filename=LAST_CHECKPOINT.removesuffix(".ckpt"),
+        save_top_k=1,
+        enable_version_counter=False,
+    )
+    # check_finite=False: a val split with one class gives a NaN AUC, not a reason to stop.
+    early_stopping = EarlyStopping(
+        monitor="val_roc_auc", mode="max", patience=settings.patience, check_finite=False
+    )
+    callbacks: list[Callback] = [checkpoint, last, early_stopping, *weight_averaging(settings)]
+    trainer = L.Trainer(
+        accelerator=settings.accelerator,
+        devices=settings.devices,
+        num_nodes=settings.num_nodes,
+        strategy=settings.strategy,
+        precision=settings.precision,
+        max_epochs=settings.max_epochs,
+        gradient_clip_val=settings.grad_clip or None,
+        logger=logger,
+        callbacks=callbacks,
+        default_root_dir=config.paths.checkpoints,
+        log_every_n_steps=1,  # only epoch-level metrics are logged; this just silences a warning
+    )
+    return trainer, checkpoint
