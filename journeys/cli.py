@@ -20,7 +20,13 @@ EXIT_BAD_INPUT = 2
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, default=None, help="YAML file (conf/default.yaml)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        action="append",
+        default=[],
+        help="YAML file (default conf/default.yaml); repeatable: later files override earlier ones",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",

@@ -8,6 +8,7 @@ message that the CLI prints before exiting with code 2.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -360,21 +361,46 @@ def _describe(error: ValidationError) -> str:
     return f"{where}: {message}"
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load YAML (default `conf/default.yaml` if it exists), apply overrides, validate."""
+def _read_yaml(config_path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(config_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {config_path.absolute()}") from None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
+        reason = str(err).splitlines()[0]
+        raise ConfigError(f"config file {config_path} is not valid YAML: {reason}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config file {config_path} must hold a mapping of sections")
+    return loaded or {}
+
+
+def _merge(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """`layer` over `base`: sections merge key by key; any other value replaces."""
+    merged = dict(base)
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+ConfigFiles = str | Path | Sequence[str | Path] | None
+
+
+def load_config(paths: ConfigFiles = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML files (later ones override earlier ones key by key; default
+    `conf/default.yaml` if it exists), apply `--set` overrides, validate.
+
+    Every key has a default in code equal to `conf/default.yaml`'s, so an override file
+    such as `conf/gpu.yaml` holds only what differs.
+    """
+    files = [paths] if isinstance(paths, str | Path) else list(paths or [])
+    if not files and DEFAULT_CONFIG.exists():
+        files = [DEFAULT_CONFIG]
     tree: dict[str, Any] = {}
-    config_path = Path(path) if path else DEFAULT_CONFIG
-    if path or config_path.exists():
-        try:
-            loaded = yaml.safe_load(config_path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {config_path}") from None
-        except (OSError, yaml.YAMLError, UnicodeDecodeError) as err:
-            reason = str(err).splitlines()[0]
-            raise ConfigError(f"config file {config_path} is not valid YAML: {reason}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {config_path} must hold a mapping of sections")
-        tree = loaded or {}
+    for config_path in files:
+        tree = _merge(tree, _read_yaml(Path(config_path)))
     for assignment in overrides or []:
         _apply_override(tree, assignment)
     try:

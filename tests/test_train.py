@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 
 from journeys import metrics as M
 from journeys.config import Config, load_config
-from journeys.errors import InputError, JourneysError
+from journeys.errors import ConfigError, InputError, JourneysError
 
 TINY = [
     "model.d_model=16",
@@ -474,10 +474,30 @@ def test_code_defaults_are_those_of_conf_default_yaml() -> None:
 
 def test_gpu_config_scales_training_and_keeps_everything_else() -> None:
     root = Path(__file__).resolve().parents[1]
-    gpu = load_config(root / "conf" / "gpu.yaml").flat()
-    default = load_config(root / "conf" / "default.yaml").flat()
+    default_file, gpu_file = root / "conf" / "default.yaml", root / "conf" / "gpu.yaml"
+    gpu = load_config([default_file, gpu_file]).flat()
+    default = load_config(default_file).flat()
     assert gpu.keys() == default.keys()
+    # gpu.yaml holds only what differs: alone, it gives the same training settings.
+    alone = load_config(gpu_file).flat()
+    assert {k: v for k, v in alone.items() if not k.startswith("data.columns.")} == {
+        k: v for k, v in gpu.items() if not k.startswith("data.columns.")
+    }
+    assert len(gpu_file.read_text().splitlines()) < 60
     changed = {key.split(".")[0] for key in gpu if gpu[key] != default[key]}
     assert changed == {"model", "train"}
     assert (gpu["train.accelerator"], gpu["train.strategy"]) == ("gpu", "ddp")
     assert gpu["train.precision"] == "bf16-mixed"
+
+
+def test_later_config_files_override_earlier_ones_key_by_key(tmp_path: Path) -> None:
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("train: {max_epochs: 3, batch_size: 32}\ndata: {features: [channel]}\n")
+    second.write_text("train: {max_epochs: 5}\n")
+    config = load_config([first, second], ["train.lr=0.01"])
+    assert (config.train.max_epochs, config.train.batch_size) == (5, 32)  # merged, not replaced
+    assert config.data.features == ["channel"] and config.train.lr == 0.01
+    assert load_config([second, first]).train.max_epochs == 3
+    (tmp_path / "bad.yaml").write_text("train: {max_epoch: 5}\n")
+    with pytest.raises(ConfigError, match=r"train.max_epoch: unknown key"):
+        load_config([first, tmp_path / "bad.yaml"])
