@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from journeys.datasets import read_metadata, scan_scores
+from journeys.datasets import MISSING_VALUE, read_metadata, scan_scores
 from journeys.errors import InputError, first_line
 from journeys.plots import plot_credit, plot_examples, plot_position
 from journeys.storage import atomic_dir
@@ -70,7 +70,6 @@ if TYPE_CHECKING:
 
 CHANNEL = "channel"  # the feature used as touchpoint when present; else event_type
 START, CONVERSION, NULL = "(start)", "(conversion)", "(null)"
-MISSING = "(none)"  # a touchpoint with no value (e.g. no channel recorded)
 OTHER = "(other)"  # rare touchpoints lumped together for the Markov chain
 CONVERTED, NOT_CONVERTED, UNKNOWN = "converted", "not_converted", "unknown"
 METHODS = ("attention", "first_touch", "last_touch", "linear", "markov", "integrated_gradients")
@@ -107,7 +106,7 @@ def touchpoint_column(schema: pl.Schema) -> str:
 
 
 def _filled(column: str) -> pl.Expr:
-    return pl.col(column).list.eval(pl.element().cast(pl.String).fill_null(MISSING))
+    return pl.col(column).list.eval(pl.element().cast(pl.String).fill_null(MISSING_VALUE))
 
 
 # ----------------------------------------------------------------------------- attention

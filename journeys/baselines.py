@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
+from journeys.datasets import MISSING_VALUE
+
 if TYPE_CHECKING:
     from scipy.sparse import csr_matrix
 
@@ -33,7 +35,6 @@ LAST_TOUCH_PSEUDO_COUNT = 20.0
 LAST_TOUCH_FEATURES = ("channel",)
 # Gradient boosting needs dense input: keep the most frequent train tokens only.
 MAX_DENSE_COLUMNS = 1024
-MISSING = "<missing>"
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ def token_counts(frame: pl.DataFrame, features: list[str], bigrams: bool) -> pl.
         .filter(pl.col("event_type").is_not_null())  # an empty journey explodes to one null
     )
     parts = [
-        events.select("row", token=pl.lit(f"{c}=") + pl.col(c).fill_null(MISSING)) for c in columns
+        events.select("row", token=pl.lit(f"{c}=") + pl.col(c).fill_null(MISSING_VALUE))
+        for c in columns
     ]
     if bigrams:
         following = pl.col("event_type").shift(-1).over("row")
@@ -125,7 +127,7 @@ def prior(train: pl.DataFrame, test: pl.DataFrame, **_) -> np.ndarray:
 
 def last_touch(train: pl.DataFrame, test: pl.DataFrame, features: list[str], **_) -> np.ndarray:
     keys = ["event_type", *[f for f in LAST_TOUCH_FEATURES if f in features]]
-    last = [pl.col(k).list.last().fill_null(MISSING).alias(k) for k in keys]
+    last = [pl.col(k).list.last().fill_null(MISSING_VALUE).alias(k) for k in keys]
     base_rate = float(_labels(train).mean())
     rates = (
         train.select(*last, "label")

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from journeys.errors import ConfigError
 
@@ -42,6 +50,15 @@ def parse_duration(text: str | int | float) -> timedelta:
         raise ValueError(f"not a duration: {text!r} (use e.g. 30m, 36h, 7d)")
     value, unit = match.groups()
     return timedelta(**{_DURATION_UNITS[unit]: float(value)})
+
+
+def _valid_duration(text: str) -> str:
+    parse_duration(text)
+    return text
+
+
+# A duration written as text (`30m`, `36h`, `7d`), checked when the config is loaded.
+Duration = Annotated[str, AfterValidator(_valid_duration)]
 
 
 class Section(BaseModel):
@@ -111,17 +128,11 @@ class Data(Section):
 
 
 class Journey(Section):
-    max_gap: str = "7d"
+    max_gap: Duration = "7d"
     max_events: Annotated[int, Field(ge=1, le=4096)] = 64
     # After a conversion: start a new journey (contract default), or drop the events that
     # follow it until the next long gap (one case = one journey, as in BPIC 2012).
     after_conversion: Literal["new_journey", "drop"] = "new_journey"
-
-    @field_validator("max_gap")
-    @classmethod
-    def _duration(cls, value: str) -> str:
-        parse_duration(value)
-        return value
 
     @property
     def max_gap_delta(self) -> timedelta:
@@ -189,14 +200,7 @@ class Model(Section):
     # same log-scaled time bucket count too: 30m -> from 17 min with 32 buckets);
     # every event also embeds the gap that opened its visit, so how long the user was away
     # before the current visit is on every event, the last one included. null: off.
-    visit_gap: str | None = "30m"
-
-    @field_validator("visit_gap")
-    @classmethod
-    def _visit_gap_duration(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_duration(value)
-        return value
+    visit_gap: Duration | None = "30m"
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Model:
@@ -282,15 +286,9 @@ class Orchestration(Section):
     dask_address: str | None = None  # tcp://scheduler:8786; None starts a local Dask cluster
     retries: Annotated[int, Field(ge=0)] = 2
     retry_delay_s: Annotated[float, Field(ge=0)] = 10.0
-    task_timeout: str = "12h"
+    task_timeout: Duration = "12h"
     cache: bool = True  # false: always recompute
-    lock_timeout: str = "12h"
-
-    @field_validator("task_timeout", "lock_timeout")
-    @classmethod
-    def _duration(cls, value: str) -> str:
-        parse_duration(value)
-        return value
+    lock_timeout: Duration = "12h"
 
     @property
     def task_timeout_s(self) -> float:

@@ -24,6 +24,9 @@ from journeys.vocab import VOCAB_FILE, Vocabularies
 
 PART_FILE = "part-{:05d}.parquet"
 SPLITS = ("train", "val", "test")
+# A feature value that was not recorded, in every table and report: never merged with a
+# real value.
+MISSING_VALUE = "(none)"
 NO_SPLIT = "none"  # censored (and near-end converted) journeys: scored, never trained on
 UTC_US = pl.Datetime("us", "UTC")
 REPORT_FILE = "ingest_report.json"

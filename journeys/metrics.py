@@ -87,5 +87,3 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray, max_iter: int = 100)
     if not math.isfinite(temperature):
         return 1.0
     return float(np.clip(temperature, *TEMPERATURE_RANGE))
-
-

@@ -259,7 +259,6 @@ def load_model(model_uri: str, tracking_uri: str | None = None) -> LoadedModel:
             )
         return load_model_files(folder, model_uri, None if version is None else str(version))
     except MlflowException as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise InputError(f"model {model_uri} not found: {reason}") from None
+        raise InputError(f"model {model_uri} not found: {first_line(err)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

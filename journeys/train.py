@@ -317,8 +317,7 @@ def _finish(run: FittedRun) -> TrainResult:
     root = Path(run.config.paths.checkpoints)
     write_state(root, {**read_state(root), "status": "done"})
     print(
-        f"transformer run {run.run_id}: model version {registration.version}; "
-        f"{registration.reason}"
+        f"transformer run {run.run_id}: model version {registration.version}; {registration.reason}"
     )
     baselines = _run_baselines(run)
     scores = evaluation.metrics

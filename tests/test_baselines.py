@@ -36,7 +36,7 @@ def test_token_counts_cover_events_features_and_bigrams() -> None:
         (0, "event_type=click"): 1,
         (0, "channel=search"): 1,
         (0, "channel=email"): 1,
-        (0, "channel=<missing>"): 1,
+        (0, "channel=(none)"): 1,
         (0, "bigram=view>view"): 1,
         (0, "bigram=view>click"): 1,
     }
