@@ -117,6 +117,7 @@ def child(spec: dict) -> dict:
     import torch
 
     import journeys.data  # Lightning (~4 s): imported before any clock starts
+    import journeys.inference
     import journeys.score
     from journeys.packaging import load_model
     from journeys.score import score_dataset
@@ -124,7 +125,7 @@ def child(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
         # The product uses every core; this child measures the work of one.
-        journeys.score.pick_device = lambda: torch.device("cpu")
+        journeys.inference.pick_device = lambda: torch.device("cpu")
     loaded = load_model(spec["model"], tracking_uri=spec.get("tracking_uri"))
     baseline = peak_mb()  # imports + model: the floor every size shares
     settings = dict(batch_size=spec["batch_size"], chunk_journeys=spec["chunk"], progress=False)
