@@ -21,6 +21,7 @@ import numpy as np
 import polars as pl
 
 from journeys.datasets import MISSING_VALUE
+from journeys.errors import run_status
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_matrix
@@ -235,8 +236,8 @@ def run_baselines(
             for plot in (plots.plot_roc, plots.plot_pr, plots.plot_calibration):
                 path = plot(labels, {family: probs}, folder / f"{plot.__name__[5:]}.png")
                 client.log_artifact(run_id, str(path), "plots")
-        except BaseException:
-            client.set_terminated(run_id, "FAILED")
+        except BaseException as err:
+            client.set_terminated(run_id, run_status(err))
             raise
         client.set_terminated(run_id, "FINISHED")
         results.append(BaselineResult(name, run_id, scores, probs))

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from journeys.config import Config, load_config
-from journeys.errors import JourneysError
+from journeys.errors import Interrupted, JourneysError
 
 EXIT_BAD_INPUT = 2
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -79,17 +82,18 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from journeys.datasets import scan_journeys
+    from journeys.datasets import check_trainable
     from journeys.tracking import check_tracking_uri, tracking_uri
 
     config = _config(args)
-    # Fail fast, before torch and Lightning are even imported.
-    scan_journeys(config.paths.journeys)
+    # Fail fast, before torch and Lightning are even imported, and before any store or
+    # run is created: a dataset that cannot be trained or evaluated registers nothing.
+    sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
     check_tracking_uri(tracking_uri(config))
     from journeys.train import train_command
 
     with _locked(config, "train"):
-        train_command(config, resume=args.resume)
+        train_command(config, resume=args.resume, sizes=sizes)
 
 
 def cmd_score(args: argparse.Namespace) -> None:
@@ -179,16 +183,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop(signum: int, _frame: object) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; exit 0, 2 (bad input or configuration, one line), or 128 + the
+    signal that stopped it (143 for SIGTERM, 130 for Ctrl+C)."""
     args = build_parser().parse_args(argv)
+    # SIGTERM (a scheduler, `kill`) and Ctrl+C stop a command the same way: an exception
+    # that unwinds it (outputs are atomic, MLflow runs end KILLED) and a non-zero exit.
+    # Lightning's own SIGTERM handling would end a fit with exit status 0.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
     try:
         args.handler(args)
     except JourneysError as err:
         print(f"journeys {args.command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"journeys {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except (Interrupted, KeyboardInterrupt) as stop:
+        code = stop.exit_code if isinstance(stop, Interrupted) else 128 + signal.SIGINT
+        print(
+            f"journeys {args.command}: stopped ({signal.Signals(code - 128).name})", file=sys.stderr
+        )
+        return code
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 

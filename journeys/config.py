@@ -74,26 +74,54 @@ class Paths(Section):
     checkpoints: str = "data/checkpoints"
 
 
+# Logical columns every event log must provide (their raw names come from data.columns).
+REQUIRED_COLUMNS = ("user_id", "timestamp", "event_type")
+
+
 class Data(Section):
-    # logical name -> column name in the raw log; unmapped logical names are used as-is
-    columns: dict[str, str] = Field(default_factory=dict)
+    # logical name -> column in the raw log: a name (a dotted path reaches into nested
+    # records of JSON Lines or Parquet: traffic_source.medium), or with `header: false` a
+    # 1-based position. Unmapped logical names are used as-is.
+    columns: dict[str, str | int] = Field(default_factory=dict)
     features: list[str] = Field(default_factory=lambda: ["channel", "device"])
     format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"
+    header: bool = True  # false: CSV/TSV without a header row (columns by position)
+    separator: str | None = None  # CSV field separator; null: tab for .tsv, else a comma
     timezone: str = "UTC"
-    timestamp_unit: Literal["s", "ms", "us"] | None = None
+    # Epoch numbers: s, ms, us, ns, or auto (each value's magnitude tells); null: ISO 8601.
+    timestamp_unit: Literal["s", "ms", "us", "ns", "auto"] | None = None
     event_map: dict[str, str] = Field(default_factory=dict)
     conversion_events: list[str] = Field(default_factory=lambda: ["purchase"])
     drop_events: list[str] = Field(default_factory=list)
     valid_from: datetime | None = None
     valid_until: datetime | None = None
+    # Timestamps before this, or later than `plausible_future` after the run, cannot be
+    # right (a wrong timestamp_unit, a clock at zero): quarantined as implausible_timestamp.
+    plausible_from: datetime = datetime(2000, 1, 1)
+    plausible_future: Duration = "1d"
+    # Which rows are copies: identical in every column of their source (all_columns), in
+    # the columns the product reads (read_columns), or none are.
+    dedupe: Literal["all_columns", "read_columns", "none"] = "all_columns"
+    # Conversions are recorded up to this moment (null: the last event): censoring counts
+    # from it, so a log whose outcomes are final sets it past the data.
+    observed_until: datetime | None = None
 
     @field_validator("columns")
     @classmethod
-    def _known_logical_names(cls, columns: dict[str, str]) -> dict[str, str]:
+    def _known_logical_names(cls, columns: dict[str, str | int]) -> dict[str, str | int]:
         for name, raw in columns.items():
-            if not raw:
+            if isinstance(raw, int) and raw < 1:
+                raise ValueError(f"column position for {name!r} must be 1 or more")
+            if not isinstance(raw, int) and not raw:
                 raise ValueError(f"column for {name!r} is empty")
         return columns
+
+    @field_validator("separator")
+    @classmethod
+    def _one_character(cls, separator: str | None) -> str | None:
+        if separator is not None and len(separator) != 1:
+            raise ValueError(f"separator must be one character, not {separator!r}")
+        return separator
 
     @field_validator("timezone")
     @classmethod
@@ -113,18 +141,33 @@ class Data(Section):
         both = set(self.conversion_events) & set(self.drop_events)
         if both:
             raise ValueError(f"events both converting and dropped: {sorted(both)}")
-        reserved = {"user_id", "timestamp", "event_type"} & set(self.features)
+        reserved = set(REQUIRED_COLUMNS) & set(self.features)
         if reserved:
             raise ValueError(f"features cannot be {sorted(reserved)}")
         if len(set(self.features)) != len(self.features):
             raise ValueError("features are listed twice")
         if self.valid_from and self.valid_until and self.valid_from >= self.valid_until:
             raise ValueError("valid_from must be before valid_until")
+        positions = {k: v for k, v in self.columns.items() if isinstance(v, int)}
+        if self.header and positions:
+            raise ValueError(
+                f"columns {sorted(positions)} are given by position: set data.header: false"
+            )
+        if not self.header:
+            unplaced = [n for n in (*REQUIRED_COLUMNS, *self.features) if n not in positions]
+            if unplaced:
+                raise ValueError(
+                    f"with header: false, data.columns must give a 1-based position for "
+                    f"{unplaced} (e.g. {{{unplaced[0]}: 1}})"
+                )
         return self
 
     def column(self, logical: str) -> str:
-        """The raw column name for a logical column (user_id, timestamp, event_type, a feature)."""
-        return self.columns.get(logical, logical)
+        """The raw column for a logical one (user_id, timestamp, event_type, a feature): its
+        name, a dotted path into nested records, or `column_<n>` for position n (the name
+        Polars gives the n-th column of a file without a header)."""
+        raw = self.columns.get(logical, logical)
+        return f"column_{raw}" if isinstance(raw, int) else raw
 
 
 class Journey(Section):
@@ -160,6 +203,10 @@ class Ingest(Section):
     # Valid rows are hashed by user into this many partitions, processed one at a time:
     # peak memory is about one partition's share of the input.
     partitions: Annotated[int, Field(ge=1, le=4096)] = 8
+    # When more than this share of the rows read is quarantined, the configuration is
+    # almost surely wrong (timestamp_unit, timezone, columns): ingest stops with exit 2,
+    # writes the quarantine for a look and leaves the previous journeys as they were.
+    max_quarantined_share: Annotated[float, Field(gt=0, le=1)] = 0.5
 
 
 class Vocab(Section):

@@ -13,6 +13,7 @@ that run before training use it without importing torch.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ NO_SPLIT = "none"  # censored (and near-end converted) journeys: scored, never t
 UTC_US = pl.Datetime("us", "UTC")
 REPORT_FILE = "ingest_report.json"
 METADATA_KEY = "journeys.scoring"  # the scores' Parquet key-value metadata
+# Fewer conversions than this in val or test: the metrics are printed with a warning (their
+# intervals are wide: at 30 positives a ROC AUC of 0.8 is known to about +-0.08).
+MIN_EVALUATION_CONVERSIONS = 30
 READ_BUFFER_BYTES = 1 << 20  # Parquet pages are streamed through a buffer of this size
 
 # What training needs of a journeys dataset (features come from the configuration).
@@ -105,8 +109,21 @@ def split_sizes(folder: str | Path) -> dict[str, dict[str, int]]:
     return {split: sizes.get(split, {"n": 0, "positives": 0}) for split in SPLITS}
 
 
-def check_trainable(folder: str | Path, features: list[str]) -> dict[str, dict[str, int]]:
-    """Raise `InputError` unless the journeys dataset can be trained on; return split sizes.
+def small_evaluation_warning(split: str, size: dict[str, int]) -> str:
+    return (
+        f"warning: the {split} split holds {size['positives']} conversions (of {size['n']:,} "
+        f"journeys), fewer than {MIN_EVALUATION_CONVERSIONS}: its metrics mean little (see "
+        "their intervals); more data or a larger split.fractions share"
+    )
+
+
+def check_trainable(
+    folder: str | Path, features: list[str], fractions: tuple[float, ...] | None = None
+) -> dict[str, dict[str, int]]:
+    """Raise `InputError` unless the journeys dataset can be trained and evaluated on;
+    return split sizes. Train, val and test each need both classes (a one-class val split
+    would fit the temperature and pick the checkpoint on nothing; a one-class test split
+    has no AUC to register the model by); few conversions in val or test are a warning.
 
     Cheap (schema and one aggregation), so it runs before any data is put on tensors.
     """
@@ -131,11 +148,22 @@ def check_trainable(folder: str | Path, features: list[str]) -> dict[str, dict[s
             raise InputError(
                 f"the {split} split of {folder} is empty: more data or other split.fractions"
             )
-    train = sizes["train"]
-    if train["positives"] in (0, train["n"]):
-        raise InputError(
-            f"the train split of {folder} has only one class ({train['positives']} conversions)"
-        )
+    shares = "/".join(f"{f:g}" for f in fractions) if fractions else None
+    for split in SPLITS:
+        size = sizes[split]
+        if size["positives"] in (0, size["n"]):
+            fix = (
+                f"change split.fractions (now {shares}) or add data"
+                if split != "train" and shares
+                else "add data (or check data.conversion_events)"
+            )
+            raise InputError(
+                f"the {split} split of {folder} has one class only ({size['positives']} "
+                f"conversions of {size['n']:,} journeys): {fix}"
+            )
+    for split in ("val", "test"):
+        if sizes[split]["positives"] < MIN_EVALUATION_CONVERSIONS:
+            print(small_evaluation_warning(split, sizes[split]), file=sys.stderr)
     return sizes
 
 

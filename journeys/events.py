@@ -10,34 +10,45 @@ from __future__ import annotations
 
 import glob
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import polars as pl
 
-from journeys.config import Data
+from journeys.config import REQUIRED_COLUMNS as REQUIRED
+from journeys.config import Data, parse_duration
 from journeys.datasets import UTC_US
 from journeys.errors import InputError, first_line
 
-# Logical columns every event log must provide (their raw names come from data.columns).
-REQUIRED = ("user_id", "timestamp", "event_type")
-REASONS = ("missing_user_id", "missing_event_type", "bad_timestamp", "out_of_range")
+REASONS = (
+    "missing_user_id",
+    "missing_event_type",
+    "bad_timestamp",
+    "implausible_timestamp",
+    "out_of_range",
+)
 
 SOURCE, ROW = "source_file", "row_number"
 TS = "ts"  # the parsed UTC timestamp; `timestamp` keeps the original text
 REASON = "reason"
+ROW_HASH = "row_hash"  # a hash of every column of the source row (data.dedupe: all_columns)
 
 # Accepted ISO 8601 layouts after normalising `Z` to `+00:00` and a space to `T`.
 _ISO_WITH_OFFSET = "%Y-%m-%dT%H:%M:%S%.f%:z"
 _ISO_NAIVE = "%Y-%m-%dT%H:%M:%S%.f"
 _ISO_DATE = "%Y-%m-%d"
-_EPOCH_PER_US = {"s": 1_000_000, "ms": 1_000, "us": 1}
+_EPOCH_PER_US = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
+# With timestamp_unit auto, an epoch number's magnitude tells its unit: today is about
+# 1.8e9 s, 1.8e12 ms, 1.8e15 us, 1.8e18 ns, and the bounds below sit between them
+# (1e11 s is the year 5138; 1e11 ms is 1973).
+_AUTO_UNIT_BOUNDS = ((1e11, "s"), (1e14, "ms"), (1e17, "us"))
 
 _SUFFIX_FORMATS = {
     ".csv": "csv",
     ".gz": "csv",  # .csv.gz; other compressed formats are not accepted
     ".tsv": "csv",
+    ".txt": "csv",
     ".jsonl": "jsonl",
     ".ndjson": "jsonl",
     ".json": "jsonl",
@@ -50,6 +61,7 @@ def resolve_sources(raw: str | Path) -> list[Path]:
     """A file, a folder (its supported files, not recursive) or a glob -> sorted file list.
 
     Names starting with `_` or `.` are skipped in folders (e.g. the simulator's `_truth/`).
+    Relative paths resolve against the working directory; errors show the absolute path.
     """
     raw = str(raw)
     path = Path(raw)
@@ -64,30 +76,43 @@ def resolve_sources(raw: str | Path) -> list[Path]:
     elif path.is_file():
         files = [path]
     else:
-        raise InputError(f"input not found: {raw}")
+        raise InputError(f"input not found: {path.absolute()}")
     if not files:
-        raise InputError(f"no event files (csv, csv.gz, jsonl, parquet) in {raw}")
+        where = raw if any(ch in raw for ch in "*?[") else path.absolute()
+        raise InputError(f"no event files (csv, csv.gz, tsv, jsonl, parquet) in {where}")
     return sorted(files)
 
 
 def _format_of(path: Path) -> str | None:
-    if path.name.endswith(".csv.gz"):
+    if path.name.endswith((".csv.gz", ".tsv.gz")):
         return "csv"
     if path.suffix == ".gz":
         return None
     return _SUFFIX_FORMATS.get(path.suffix.lower())
 
 
-def _scan(path: Path, fmt: str) -> pl.LazyFrame:
-    """Read one file lazily; CSV columns all as text so nothing is coerced before validation."""
+def _separator(path: Path, data: Data) -> str:
+    if data.separator is not None:
+        return data.separator
+    return "\t" if path.name.endswith((".tsv", ".tsv.gz")) else ","
+
+
+def _scan(path: Path, fmt: str, data: Data) -> pl.LazyFrame:
+    """Read one file lazily; CSV columns all as text so nothing is coerced before validation.
+
+    Without a header row Polars names the columns column_1, column_2, ...
+    """
     if fmt == "csv":
-        separator = "\t" if path.suffix == ".tsv" else ","
+        options = dict(
+            infer_schema=False,
+            separator=_separator(path, data),
+            has_header=data.header,
+            encoding="utf8-lossy",
+        )
         if path.name.endswith(".gz"):
             # scan_csv does not read compressed files; read_csv decompresses in memory.
-            return pl.read_csv(
-                path, infer_schema=False, separator=separator, encoding="utf8-lossy"
-            ).lazy()
-        return pl.scan_csv(path, infer_schema=False, separator=separator, encoding="utf8-lossy")
+            return pl.read_csv(path, **options).lazy()
+        return pl.scan_csv(path, **options)
     if fmt == "jsonl":
         # JSON values may mix types between rows; read eagerly and let errors name the file.
         return pl.read_ndjson(path, infer_schema_length=None).lazy()
@@ -107,7 +132,8 @@ def _parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
     if dtype.is_numeric():
         if data.timestamp_unit is None:
             raise InputError(
-                "numeric timestamps need data.timestamp_unit (s, ms or us) in the configuration"
+                "numeric timestamps need data.timestamp_unit (s, ms, us, ns or auto) in the "
+                "configuration"
             )
         return _from_epoch(raw.cast(pl.Float64, strict=False), data.timestamp_unit)
 
@@ -131,43 +157,88 @@ def _parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
 
 
 def _from_epoch(value: pl.Expr, unit: str) -> pl.Expr:
-    micros = (value * _EPOCH_PER_US[unit]).round(0)
+    if unit == "auto":
+        magnitude = value.abs()
+        factor = pl.lit(_EPOCH_PER_US["ns"])
+        for bound, guess in reversed(_AUTO_UNIT_BOUNDS):
+            factor = pl.when(magnitude < bound).then(pl.lit(_EPOCH_PER_US[guess])).otherwise(factor)
+    else:
+        factor = pl.lit(_EPOCH_PER_US[unit])
+    micros = (value * factor).round(0)
     # Years outside ~1677..2262 overflow; treat them as unparseable rather than wrapping.
     in_range = micros.is_finite() & (micros.abs() < 9.2e18)
     return pl.when(in_range).then(micros.cast(pl.Int64, strict=False)).cast(UTC_US)
 
 
 def _aware(moment: datetime | None, zone: str) -> datetime | None:
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=ZoneInfo(zone))
+    """A configured moment in UTC (read in `zone` when it names none)."""
+    if moment is None:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=ZoneInfo(zone))
+    return moment.astimezone(UTC)
+
+
+def column_expr(raw: str, schema: pl.Schema) -> tuple[pl.Expr, pl.DataType] | None:
+    """A raw column, or a dotted path into struct columns (`context.campaign.source`).
+
+    A top-level column whose name contains dots wins over a path. None when absent.
+    """
+    if raw in schema:
+        return pl.col(raw), schema[raw]
+    parts = raw.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        head = ".".join(parts[:cut])
+        if head not in schema:
+            continue
+        expr, dtype = pl.col(head), schema[head]
+        for name in parts[cut:]:
+            fields = {f.name: f.dtype for f in dtype.fields} if isinstance(dtype, pl.Struct) else {}
+            if name not in fields:
+                return None
+            expr, dtype = expr.struct.field(name), fields[name]
+        return expr, dtype
+    return None
 
 
 def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
-    """One file -> the logical columns as text, plus `ts`, the source file and row number."""
+    """One file -> the logical columns as text, plus `ts`, the source file and row number
+    (and, for `data.dedupe: all_columns`, a hash of the whole source row)."""
     fmt = _format_of(path) if data.format == "auto" else data.format
     if fmt is None:
-        raise InputError(f"{path}: unsupported file type (use csv, csv.gz, jsonl or parquet)")
+        raise InputError(f"{path}: unsupported file type (use csv, tsv, jsonl or parquet)")
     try:
-        frame = _scan(path, fmt)
+        frame = _scan(path, fmt, data)
         schema = frame.collect_schema()
     except (pl.exceptions.PolarsError, OSError, ValueError) as err:
         raise InputError(f"{path}: cannot read as {fmt}: {first_line(err)}") from None
 
     raw_names = {logical: data.column(logical) for logical in text_columns}
-    missing = [f"{raw} ({logical})" for logical, raw in raw_names.items() if raw not in schema]
+    found = {logical: column_expr(raw, schema) for logical, raw in raw_names.items()}
+    missing = [f"{raw_names[name]} ({name})" for name, hit in found.items() if hit is None]
     if missing:
-        raise InputError(f"{path}: missing column(s) {', '.join(missing)}; see data.columns")
+        hint = "the file has no header row? set data.header: false" if data.header else ""
+        raise InputError(
+            f"{path}: missing column(s) {', '.join(missing)}; see data.columns"
+            + (f" ({hint})" if hint and fmt == "csv" else "")
+        )
+    columns = {name: hit for name, hit in found.items() if hit is not None}
 
-    ts_raw = pl.col(raw_names["timestamp"])
+    ts_raw, ts_type = columns["timestamp"]
     # with_row_index streams; an int_range over pl.len() would make the scan collect first
     # (1.3 GB instead of 0.85 GB peak at 10M events, same output).
     index = "__journeys_row_index"  # not ROW: the raw file may have a `row_number` column
+    extra = []
+    if data.dedupe == "all_columns":
+        # Every column of the source, read or not: rows that differ only in a column the
+        # product ignores (a step number, the item clicked) are repeated interactions.
+        extra.append(pl.struct(pl.all().exclude(index)).hash(seed=0).alias(ROW_HASH))
     return frame.with_row_index(index, offset=1).select(
-        *[pl.col(raw).cast(pl.String).alias(logical) for logical, raw in raw_names.items()],
-        _parse_timestamp(ts_raw, schema[raw_names["timestamp"]], data).alias(TS),
+        *[expr.cast(pl.String).alias(logical) for logical, (expr, _) in columns.items()],
+        _parse_timestamp(ts_raw, ts_type, data).alias(TS),
         pl.lit(str(path)).alias(SOURCE),
         pl.col(index).cast(pl.Int64).alias(ROW),
+        *extra,
     )
 
 
@@ -183,6 +254,9 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
     event = pl.col("event_type").str.strip_chars()
     valid_from = _aware(data.valid_from, data.timezone)
     valid_until = _aware(data.valid_until, data.timezone)
+    plausible_from = _aware(data.plausible_from, data.timezone)
+    plausible_until = datetime.now(UTC) + parse_duration(data.plausible_future)
+    implausible = (pl.col(TS) < plausible_from) | (pl.col(TS) > plausible_until)
     out_of_range = pl.lit(False)
     if valid_from is not None:
         out_of_range = out_of_range | (pl.col(TS) < valid_from)
@@ -195,6 +269,8 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
         .then(pl.lit("missing_event_type"))
         .when(pl.col(TS).is_null())
         .then(pl.lit("bad_timestamp"))
+        .when(implausible)
+        .then(pl.lit("implausible_timestamp"))
         .when(out_of_range)
         .then(pl.lit("out_of_range"))
     )
@@ -220,8 +296,14 @@ class CleanEvents:
 def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
     """De-duplicate valid rows, normalise values, apply `event_map` and `drop_events`."""
     columns = [*REQUIRED, *data.features]
-    # Exact duplicates: identical original values in every column the product reads.
-    deduped = rows.unique(subset=columns, keep="first", maintain_order=True)
+    # Copies: identical original values in every column of the source (all_columns: the
+    # columns read, and the hash of the whole row to tell apart rows that differ elsewhere),
+    # in the columns read only (read_columns), or no row is a copy (none).
+    if data.dedupe == "none":
+        deduped = rows
+    else:
+        subset = [*columns, ROW_HASH] if data.dedupe == "all_columns" else columns
+        deduped = rows.unique(subset=subset, keep="first", maintain_order=True)
     event = pl.col("event_type").str.strip_chars()
     deduped = deduped.with_columns(
         pl.col("user_id").str.strip_chars(),

@@ -33,6 +33,7 @@ from journeys.events import (
     REASONS,
     REQUIRED,
     ROW,
+    ROW_HASH,
     SOURCE,
     TS,
     clean_events,
@@ -201,6 +202,7 @@ def staged_schema(config: Config) -> dict[str, pl.DataType]:
         TS: UTC_US,
         SOURCE: pl.String(),
         ROW: pl.Int64(),
+        **({ROW_HASH: pl.UInt64()} if config.data.dedupe == "all_columns" else {}),
         REASON: pl.String(),
     }
 
@@ -339,7 +341,7 @@ def finish(
         quarantine = (
             pl.scan_parquet(staged.quarantine) if staged.quarantine else pl.LazyFrame(schema=schema)
         )
-        quarantine.select(*[name for name in schema if name != TS]).sink_parquet(
+        quarantine.select(*[name for name in schema if name not in (TS, ROW_HASH)]).sink_parquet(
             folder / QUARANTINE_FILE
         )
     with atomic_dir(journeys_folder) as folder:

@@ -27,7 +27,9 @@ MLflow run: `paths.checkpoints/latest.json` records the run id beside the checkp
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -43,8 +45,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from journeys import metrics as M
 from journeys import packaging, plots, tracking
 from journeys.data import fraction_of_negatives, model_config_from
-from journeys.datasets import SPLITS, check_trainable, labelled, scan_journeys
-from journeys.errors import JourneysError
+from journeys.datasets import (
+    MIN_EVALUATION_CONVERSIONS,
+    SPLITS,
+    check_trainable,
+    labelled,
+    scan_journeys,
+    small_evaluation_warning,
+)
+from journeys.errors import JourneysError, first_line, run_status
 from journeys.inference import attention_by_token, run_model
 from journeys.training import (
     LAST_CHECKPOINT,
@@ -57,7 +66,7 @@ from journeys.training import (
 from journeys.vocab import Vocabularies
 
 if TYPE_CHECKING:
-    from journeys.config import Config
+    from journeys.config import Config, Train
 
 MODEL_FAMILY = "transformer"
 STATE_FILE = "latest.json"  # in paths.checkpoints: which run/checkpoints --resume continues
@@ -158,7 +167,9 @@ def evaluate(
     probs = M.sigmoid(test_logits)
     calibrated = M.sigmoid(test_logits, temperature)
     scores = M.binary_metrics(test_labels, probs)
-    scores |= {f"{k}_calibrated": v for k, v in M.binary_metrics(test_labels, calibrated).items()}
+    # Calibration keeps the ranking, so the AUCs' intervals are those of the raw scores.
+    calibrated_metrics = M.binary_metrics(test_labels, calibrated, intervals=False)
+    scores |= {f"{k}_calibrated": v for k, v in calibrated_metrics.items()}
     scores["temperature"] = temperature
 
     (workdir / "attention_by_event_type.json").write_text(json.dumps(attention, indent=2))
@@ -180,6 +191,24 @@ def evaluate(
 
 
 # ----------------------------------------------------------------------------- command
+
+
+def planned_steps(settings: Train, epoch_journeys: float, world_size: int) -> int:
+    """Optimiser steps of a run that goes all `max_epochs` (early stopping may end sooner)."""
+    per_epoch = math.ceil(epoch_journeys / (settings.batch_size * world_size))
+    return per_epoch * settings.max_epochs
+
+
+def warn_short_run(settings: Train, epoch_journeys: float, world_size: int) -> None:
+    """A run whose warm-up outlasts it never trains at `train.lr`: say so before it starts."""
+    steps = planned_steps(settings, epoch_journeys, world_size)
+    if settings.warmup_steps >= steps:
+        print(
+            f"warning: train.warmup_steps ({settings.warmup_steps}) is longer than the whole "
+            f"run ({steps} optimiser steps): the learning rate never reaches train.lr; lower "
+            "train.warmup_steps or train more",
+            file=sys.stderr,
+        )
 
 
 def _start_run(config: Config, uri: str, resume: bool) -> tuple[str, str, Path]:
@@ -224,9 +253,15 @@ def _start_run(config: Config, uri: str, resume: bool) -> tuple[str, str, Path]:
     return run_id, experiment_id, checkpoint_dir
 
 
-def train_command(config: Config, resume: bool = False) -> TrainResult | None:
-    """`journeys train`: see the module docstring. Returns None on ranks other than 0."""
-    sizes = check_trainable(config.paths.journeys, list(config.data.features))
+def train_command(
+    config: Config, resume: bool = False, sizes: dict[str, dict[str, int]] | None = None
+) -> TrainResult | None:
+    """`journeys train`: see the module docstring. Returns None on ranks other than 0.
+
+    `sizes` are `check_trainable`'s split sizes when the caller checked already.
+    """
+    if sizes is None:
+        sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
     # Per-file progress bars for a handful of small artifacts are noise in the log.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = tracking.tracking_uri(config)
@@ -236,20 +271,18 @@ def train_command(config: Config, resume: bool = False) -> TrainResult | None:
         return _train(config, resume, uri, sizes)
 
 
-def _train(
-    config: Config, resume: bool, uri: str, sizes: dict[str, dict[str, int]]
-) -> TrainResult | None:
+def _fit(
+    config: Config,
+    resume: bool,
+    uri: str,
+    sizes: dict[str, dict[str, int]],
+    run_id: str | None,
+    checkpoint_dir: Path | None,
+) -> tuple[L.Trainer, ModelCheckpoint, JourneyModule, JourneyDataModule, Vocabularies]:
+    """Build the Lightning pieces and fit (on every rank)."""
     from lightning.pytorch.loggers import MLFlowLogger
 
     rank = global_rank()
-    run_id = experiment_id = None
-    checkpoint_dir: Path | None = None
-    if rank == 0:
-        tracking.check_tracking_uri(uri)
-        run_id, experiment_id, checkpoint_dir = _start_run(config, uri, resume)
-    elif resume:
-        checkpoint_dir = Path(read_state(Path(config.paths.checkpoints))["checkpoint_dir"])
-
     L.seed_everything(config.train.seed, workers=True, verbose=False)
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
@@ -270,6 +303,9 @@ def _train(
     if fraction < 1:
         # Other negatives every epoch: the Trainer rebuilds the train loader each time.
         trainer.reload_dataloaders_every_n_epochs = 1
+    if rank == 0:
+        epoch_journeys = positives + fraction * (n_train - positives)
+        warn_short_run(settings, epoch_journeys, trainer.world_size)
     datamodule = JourneyDataModule.from_config(config, vocabs, fraction)
     model_config = model_config_from(config.model, vocabs, max_len=config.journey.max_events)
     module = JourneyModule(model_config, settings, positives / n_train, fraction)
@@ -277,14 +313,34 @@ def _train(
     if resume and not (last and last.exists()):
         print("no checkpoint saved yet: training from the start, in the same run")
         last = None
+    with warnings.catch_warnings():
+        if resume:  # the run's own checkpoints are expected there
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* not empty")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=last)
+    return trainer, checkpoint, module, datamodule, vocabs
+
+
+def _train(
+    config: Config, resume: bool, uri: str, sizes: dict[str, dict[str, int]]
+) -> TrainResult | None:
+
+    rank = global_rank()
+    run_id = experiment_id = None
+    checkpoint_dir: Path | None = None
+    if rank == 0:
+        tracking.check_tracking_uri(uri)
+        run_id, experiment_id, checkpoint_dir = _start_run(config, uri, resume)
+    elif resume:
+        checkpoint_dir = Path(read_state(Path(config.paths.checkpoints))["checkpoint_dir"])
+
     try:
-        with warnings.catch_warnings():
-            if resume:  # the run's own checkpoints are expected there
-                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* not empty")
-            trainer.fit(module, datamodule=datamodule, ckpt_path=last)
-    except BaseException:
+        trainer, checkpoint, module, datamodule, vocabs = _fit(
+            config, resume, uri, sizes, run_id, checkpoint_dir
+        )
+    except BaseException as err:
         if rank == 0:
             print(f"training stopped; continue with `journeys train --resume` (run {run_id})")
+            _end_run(uri, run_id, run_status(err))
         raise
     if trainer.global_rank != 0:
         return None
@@ -323,7 +379,7 @@ def _finish(run: FittedRun) -> TrainResult:
     scores = evaluation.metrics
     rows = [(MODEL_FAMILY, scores), (f"{MODEL_FAMILY} (calibrated)", _calibrated(scores))]
     rows += [(f"baseline_{name}", result.metrics) for name, result in baselines.items()]
-    print_comparison(rows)
+    print_comparison(rows, run.sizes["test"])
     test = run.datamodule.splits["test"]
     predictions = pl.DataFrame(
         {
@@ -384,10 +440,22 @@ def _log_and_register(
                 run.run_id,
                 evaluation.metrics["test_roc_auc"],
             )
-        except BaseException:
-            mlflow.end_run("FAILED")
+        except BaseException as err:
+            mlflow.end_run(run_status(err))
             raise
     return evaluation, metrics, registration, info.model_uri
+
+
+def _end_run(uri: str, run_id: str | None, status: str) -> None:
+    """Close the run as `status` (Lightning's logger marks any interrupted fit FAILED)."""
+    if run_id is None:
+        return
+    from mlflow import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri).set_terminated(run_id, status)
+    except Exception as err:  # the run's state is a courtesy; the error that stopped us wins
+        print(f"could not mark MLflow run {run_id} {status}: {first_line(err)}", file=sys.stderr)
 
 
 def _run_baselines(run: FittedRun) -> dict[str, BaselineRun]:
@@ -416,18 +484,33 @@ def _run_baselines(run: FittedRun) -> dict[str, BaselineRun]:
 
 
 def _calibrated(scores: dict[str, float]) -> dict[str, float]:
-    return {f"test_{m}": scores[f"test_{m}_calibrated"] for m in COMPARED_METRICS}
+    calibrated = {f"test_{m}": scores[f"test_{m}_calibrated"] for m in COMPARED_METRICS}
+    intervals = {k: v for k, v in scores.items() if "_ci_" in k}  # ranking is unchanged
+    return calibrated | intervals
 
 
-def print_comparison(rows: list[tuple[str, dict[str, float]]]) -> None:
-    """One table of every model's test metrics (higher AUCs, lower losses are better)."""
+def format_metric(scores: dict[str, float], name: str) -> str:
+    """`0.8504 [0.8421, 0.8587]` for a metric with a 95% interval, else `0.0123`."""
+    value = scores[f"test_{name}"]
+    low, high = scores.get(f"test_{name}_ci_low"), scores.get(f"test_{name}_ci_high")
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return f"{value:.4f}"
+    return f"{value:.4f} [{low:.4f}, {high:.4f}]"
+
+
+def print_comparison(rows: list[tuple[str, dict[str, float]]], sizes: dict[str, int]) -> None:
+    """One table of every model's test metrics (higher AUCs, lower losses are better), with
+    95% intervals of the AUCs, and a word when the test split is too small to tell."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Test metrics (same test split)")
+    title = f"Test metrics (same test split: {sizes['n']:,} journeys, {sizes['positives']:,} conversions; 95% intervals)"
+    table = Table(title=title)
     table.add_column("model")
     for name in COMPARED_METRICS:
         table.add_column(name, justify="right")
     for model, scores in rows:
-        table.add_row(model, *(f"{scores[f'test_{m}']:.4f}" for m in COMPARED_METRICS))
-    Console(width=max(100, int(os.environ.get("COLUMNS", "100")))).print(table)
+        table.add_row(model, *(format_metric(scores, m) for m in COMPARED_METRICS))
+    Console(width=max(120, int(os.environ.get("COLUMNS", "120")))).print(table)
+    if sizes["positives"] < MIN_EVALUATION_CONVERSIONS:
+        print(small_evaluation_warning("test", sizes))

@@ -141,7 +141,9 @@ class JourneyDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        frame = labelled(scan_journeys(self.journeys_dir)).select("split", *self._columns()).collect()
+        frame = (
+            labelled(scan_journeys(self.journeys_dir)).select("split", *self._columns()).collect()
+        )
         for split in SPLITS:
             self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
 
@@ -288,7 +290,6 @@ def weight_averaging(settings: Train) -> list[Callback]:
 def global_rank() -> int:
     """This process's rank, known before the Trainer starts (env set by the launcher)."""
     return int(rank_zero_only.rank)
-
 
 
 def min_epoch_journeys(settings: Train, world_size: int) -> int:

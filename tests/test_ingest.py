@@ -101,6 +101,7 @@ def test_dirty_rows_are_quarantined_by_reason_and_accounted(tmp_path: Path) -> N
         "missing_user_id": 2,
         "missing_event_type": 1,
         "bad_timestamp": 3,
+        "implausible_timestamp": 0,
         "out_of_range": 0,
     }
     assert report["duplicates_dropped"] == 5

@@ -456,7 +456,8 @@ def test_ece_and_temperature_scaling() -> None:
     assert M.fit_temperature(overconfident, labels) == pytest.approx(3.0, rel=0.1)
     assert M.fit_temperature(true_logits, np.zeros_like(labels)) == 1.0  # one class: no fit
     scores = M.binary_metrics(labels, M.sigmoid(true_logits))
-    assert set(scores) == {f"test_{m}" for m in M.METRIC_NAMES}
+    bounds = {f"test_{m}_ci_{end}" for m in M.INTERVAL_METRICS for end in ("low", "high")}
+    assert set(scores) == {f"test_{m}" for m in M.METRIC_NAMES} | bounds
     assert math.isnan(M.binary_metrics(np.ones(4), np.full(4, 0.5))["test_roc_auc"])
 
 
@@ -501,3 +502,131 @@ def test_later_config_files_override_earlier_ones_key_by_key(tmp_path: Path) -> 
     (tmp_path / "bad.yaml").write_text("train: {max_epoch: 5}\n")
     with pytest.raises(ConfigError, match=r"train.max_epoch: unknown key"):
         load_config([first, tmp_path / "bad.yaml"])
+
+
+# --- evaluation that says how much it knows ------------------------------------------------
+
+
+def test_test_metrics_carry_95_percent_intervals_around_them(trained) -> None:
+    result, _, uri, printed = trained
+    metrics = MlflowClient(uri).get_run(result.run_id).data.metrics
+    for name in ("roc_auc", "pr_auc"):
+        low, high = metrics[f"test_{name}_ci_low"], metrics[f"test_{name}_ci_high"]
+        assert 0 <= low < metrics[f"test_{name}"] < high <= 1, name
+    # ~60 test journeys: the interval is wide, and the table shows it.
+    assert metrics["test_roc_auc_ci_high"] - metrics["test_roc_auc_ci_low"] > 0.1
+    assert f"[{metrics['test_roc_auc_ci_low']:.4f}," in printed
+    for baseline in result.baselines.values():
+        assert "test_roc_auc_ci_low" in baseline.metrics
+
+
+def test_delong_interval_matches_sklearn_and_covers_the_true_auc() -> None:
+    from scipy.stats import norm
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(0)
+    true_auc = float(norm.cdf(1 / math.sqrt(2)))  # two unit normals one apart
+    covered = 0
+    for _ in range(200):
+        labels = rng.random(1500) < 0.06
+        scores = M.sigmoid(rng.normal(size=labels.size) + labels)  # AUC is rank-invariant
+        metrics = M.binary_metrics(labels, scores)
+        assert metrics["test_roc_auc"] == pytest.approx(roc_auc_score(labels, scores))
+        low, high = M.roc_auc_interval(labels, scores)
+        assert low < metrics["test_roc_auc"] < high
+        covered += low <= true_auc <= high
+    assert 0.9 <= covered / 200 <= 0.99
+    one_class = M.binary_metrics(np.ones(5), np.linspace(0, 1, 5))
+    assert math.isnan(one_class["test_roc_auc_ci_low"])
+
+
+def _one_class_split(folder: Path, split: str) -> None:
+    """Relabel the journeys of `split` so that all of them converted."""
+    part = folder / "part-00000.parquet"
+    frame = pl.read_parquet(part)
+    frame.with_columns(
+        label=pl.when(pl.col("split") == split).then(1).otherwise(pl.col("label")).cast(pl.Int8)
+    ).write_parquet(part)
+
+
+@pytest.mark.parametrize("split", ["val", "test"])
+def test_one_class_val_or_test_exits_2_and_registers_nothing(
+    tmp_path: Path, split: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from journeys.cli import main
+
+    make_journeys_dataset(tmp_path / "journeys", n=400, seed=0)
+    _one_class_split(tmp_path / "journeys", split)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = [
+        f"paths.journeys={tmp_path / 'journeys'}",
+        f"paths.checkpoints={tmp_path / 'checkpoints'}",
+        f"mlflow.tracking_uri={uri}",
+    ]
+    code = main(["train", *[arg for o in overrides for arg in ("--set", o)]])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"the {split} split" in err and "one class" in err and "split.fractions" in err
+    assert not (tmp_path / "mlflow.db").exists()  # nothing created, nothing registered
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_few_evaluation_conversions_and_a_warmup_longer_than_the_run_warn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from journeys.datasets import check_trainable
+    from journeys.train import warn_short_run
+
+    make_journeys_dataset(tmp_path / "journeys", n=150, seed=0)
+    sizes = check_trainable(tmp_path / "journeys", ["channel", "device"], (0.7, 0.15, 0.15))
+    err = capsys.readouterr().err
+    assert sizes["test"]["positives"] < 30 and "the test split holds" in err
+    assert "fewer than 30" in err
+    settings = load_config(None, ["train.warmup_steps=100", "train.max_epochs=3"]).train
+    warn_short_run(settings, epoch_journeys=256, world_size=1)  # 1 step an epoch: 3 steps
+    err = capsys.readouterr().err
+    assert "train.warmup_steps (100) is longer than the whole run (3 optimiser steps)" in err
+    warn_short_run(settings, epoch_journeys=256 * 100, world_size=1)  # 300 steps: fine
+    assert capsys.readouterr().err == ""
+
+
+def test_train_stopped_by_sigterm_exits_143_and_marks_its_run_killed(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    make_journeys_dataset(tmp_path / "journeys", n=400, seed=0)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    overrides = [
+        *TINY,
+        f"paths.journeys={tmp_path / 'journeys'}",
+        f"paths.checkpoints={tmp_path / 'checkpoints'}",
+        f"mlflow.tracking_uri={uri}",
+        "train.max_epochs=1000",
+        "train.patience=1000",
+        "train.baselines=[]",
+    ]
+    command = [sys.executable, "-m", "journeys.cli", "train"]
+    command += [arg for o in overrides for arg in ("--set", o)]
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    child = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # The last checkpoint appears after the first epoch: the fit is under way.
+        while not list((tmp_path / "checkpoints").glob("*/last.ckpt")):
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 143, err.decode()[-2000:]
+    assert "stopped (SIGTERM)" in err.decode()
+    state = json.loads((tmp_path / "checkpoints" / "latest.json").read_text())
+    run = MlflowClient(uri).get_run(state["run_id"])
+    assert run.info.status == "KILLED"
+    assert not MlflowClient(uri).search_registered_models()
