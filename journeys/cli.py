@@ -73,9 +73,11 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 
 def cmd_ingest(args: argparse.Namespace) -> None:
+    from journeys.events import resolve_sources
     from journeys.ingest import ingest, print_report
 
     config = _config(args)
+    resolve_sources(config.paths.raw)  # a missing input fails before any lock or folder
     with _locked(config, "ingest"):
         report = ingest(config)
     print_report(report)
@@ -103,9 +105,13 @@ def cmd_score(args: argparse.Namespace) -> None:
     default `paths.scores`: scores written elsewhere never overwrite the main report.
     """
     from journeys.attribution import attribute_command
+    from journeys.datasets import require_input
     from journeys.score import score_command
 
     config = _config(args)
+    require_input(
+        args.input or config.paths.journeys, "input", "run `journeys ingest` or pass --input"
+    )
     with _locked(config, "score"):
         result = score_command(config, model_uri=args.model, input_path=args.input, out=args.out)
         report = args.report or (None if args.out else config.paths.reports)
@@ -115,8 +121,10 @@ def cmd_score(args: argparse.Namespace) -> None:
 
 def cmd_attribute(args: argparse.Namespace) -> None:
     from journeys.attribution import attribute_command
+    from journeys.datasets import require_input
 
     config = _config(args)
+    require_input(args.scores or config.paths.scores, "scores", "run `journeys score` first")
     with _locked(config, "attribute"):
         attribute_command(config, scores=args.scores, out=args.out)
 

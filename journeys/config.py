@@ -165,7 +165,7 @@ class Data(Section):
     def column(self, logical: str) -> str:
         """The raw column for a logical one (user_id, timestamp, event_type, a feature): its
         name, a dotted path into nested records, or `column_<n>` for position n (the name
-        Polars gives the n-th column of a file without a header)."""
+        `journeys.events` gives the n-th column of a file without a header)."""
         raw = self.columns.get(logical, logical)
         return f"column_{raw}" if isinstance(raw, int) else raw
 

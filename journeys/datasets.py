@@ -50,6 +50,14 @@ OPTIONAL_COLUMNS: dict[str, pl.DataType] = {
 }
 
 
+def require_input(path: str | Path, what: str, hint: str) -> None:
+    """Raise `InputError` naming the absolute path tried unless `path` exists (or is a
+    glob). Commands call it before they take a lock or create any folder."""
+    text = str(path)
+    if not any(ch in text for ch in "*?[") and not Path(text).exists():
+        raise InputError(f"{what} not found at {Path(text).absolute()}: {hint}")
+
+
 def parquet_parts(folder: str | Path) -> list[Path]:
     return sorted(Path(folder).glob("part-*.parquet"))
 

@@ -100,7 +100,7 @@ def _separator(path: Path, data: Data) -> str:
 def _scan(path: Path, fmt: str, data: Data) -> pl.LazyFrame:
     """Read one file lazily; CSV columns all as text so nothing is coerced before validation.
 
-    Without a header row Polars names the columns column_1, column_2, ...
+    Without a header row the columns are named column_1, column_2, ... (`Data.column`).
     """
     if fmt == "csv":
         options = dict(
@@ -111,8 +111,14 @@ def _scan(path: Path, fmt: str, data: Data) -> pl.LazyFrame:
         )
         if path.name.endswith(".gz"):
             # scan_csv does not read compressed files; read_csv decompresses in memory.
-            return pl.read_csv(path, **options).lazy()
-        return pl.scan_csv(path, **options)
+            frame = pl.read_csv(path, **options).lazy()
+        else:
+            frame = pl.scan_csv(path, **options)
+        if not data.header:
+            # 1-based names, whatever Polars' own default for a headerless file is.
+            names = frame.collect_schema().names()
+            frame = frame.rename({name: f"column_{i}" for i, name in enumerate(names, start=1)})
+        return frame
     if fmt == "jsonl":
         # JSON values may mix types between rows; read eagerly and let errors name the file.
         return pl.read_ndjson(path, infer_schema_length=None).lazy()
