@@ -65,22 +65,15 @@ from journeys.storage import atomic_dir
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from journeys.config import Attribution as AttributionSettings
     from journeys.config import Config
     from journeys.packaging import LoadedModel
 
-CHANNEL = "channel"  # the feature used as touchpoint when present; else event_type
 START, CONVERSION, NULL = "(start)", "(conversion)", "(null)"
 OTHER = "(other)"  # rare touchpoints lumped together for the Markov chain
 CONVERTED, NOT_CONVERTED, UNKNOWN = "converted", "not_converted", "unknown"
 METHODS = ("attention", "first_touch", "last_touch", "linear", "markov", "integrated_gradients")
-
-# Numbers a user may want to change.
-POSITION_CAP = 20  # positions from the end >= this are pooled into one row
-MARKOV_MAX_STATES = 100  # keep the most frequent touchpoints; one solve per state
-IG_SAMPLE = 256  # converting journeys explained by integrated gradients
-N_EXAMPLES = 8  # journeys in the attention heatmap
-EXAMPLE_EVENTS = 20  # last events shown per journey in the heatmap
-SEED = 0
+EXAMPLE_EVENTS = 20  # last events shown per journey in the heatmap (what fits its width)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -101,8 +94,23 @@ def outcome_expr(schema: pl.Schema) -> pl.Expr:
     )
 
 
-def touchpoint_column(schema: pl.Schema) -> str:
-    return CHANNEL if CHANNEL in schema else "event_type"
+def report_dimensions(schema: pl.Schema, by: list[str] | None) -> list[str]:
+    """The list columns credit is broken down by: `by`, else every feature column of the
+    scores (the lists beside event_type), else event_type. Raise on an unknown one."""
+    lists = [name for name, dtype in schema.items() if isinstance(dtype, pl.List)]
+    features = [
+        name
+        for name in lists
+        if name not in ("event_type", "event_time", "attention", "prefix_probability")
+    ]
+    dimensions = list(by) if by else (features or ["event_type"])
+    unknown = [name for name in dimensions if name not in [*features, "event_type"]]
+    if unknown:
+        raise InputError(
+            f"attribution.by names {unknown}, which the scores do not have "
+            f"(they have {['event_type', *features]})"
+        )
+    return dimensions
 
 
 def _filled(column: str) -> pl.Expr:
@@ -129,7 +137,7 @@ def attention_by(scores: pl.LazyFrame, column: str) -> pl.DataFrame:
     )
 
 
-def attention_by_position(scores: pl.LazyFrame, cap: int = POSITION_CAP) -> pl.DataFrame:
+def attention_by_position(scores: pl.LazyFrame, cap: int) -> pl.DataFrame:
     """Attention by position from the end (0 = last event; `cap` = that far or further)."""
     schema = scores.collect_schema()
     length = pl.col("attention").list.len().cast(pl.Int64)
@@ -312,7 +320,7 @@ def markov_removal_effects(transitions: pl.DataFrame) -> MarkovResult:
     return MarkovResult(table, removal, base)
 
 
-def markov_attribution(paths: pl.LazyFrame, max_states: int = MARKOV_MAX_STATES) -> MarkovResult:
+def markov_attribution(paths: pl.LazyFrame, max_states: int) -> MarkovResult:
     """Fit the chain on `paths` (touchpoints + converted), lumping rare touchpoints into
     `(other)` beyond `max_states` so the number of linear solves stays small."""
     frequent = (
@@ -365,36 +373,33 @@ def normalised_positive(frame: pl.DataFrame | pl.LazyFrame, column: str, out: st
     return positive.filter((total > 0) & total.is_finite()).with_columns(pl.col(out) / total)
 
 
-def ig_credit(
-    loaded: LoadedModel,
-    converted: pl.LazyFrame,
-    sample: int = IG_SAMPLE,
-    seed: int = SEED,
-    steps: int | None = None,
-) -> tuple[pl.DataFrame, dict[str, Any]]:
-    """Integrated-gradients credit shares on a random sample of converting journeys."""
+def explain_sample(
+    loaded: LoadedModel, converted: pl.LazyFrame, sample: int, seed: int
+) -> pl.DataFrame:
+    """A random sample of converting journeys with their `integrated_gradients` lists."""
     ids = converted.select("journey_id").collect().get_column("journey_id")
     if ids.len() > sample:
         ids = ids.sample(sample, seed=seed)
     frame = converted.filter(pl.col("journey_id").is_in(ids.implode())).collect()
     if frame.height == 0:
-        empty = pl.DataFrame(schema={"touchpoint": pl.String, "integrated_gradients": pl.Float64})
-        return empty, {"ig_sample": 0}
-    frame = frame.with_columns(integrated_gradients_frame(loaded, frame, steps))
+        return frame.with_columns(integrated_gradients=pl.lit(None, pl.List(pl.Float32)))
+    return frame.with_columns(integrated_gradients_frame(loaded, frame))
+
+
+def ig_credit(explained: pl.DataFrame, dimension: str) -> tuple[pl.DataFrame, int]:
+    """Integrated-gradients credit shares by `dimension` over the explained sample, and
+    how many journeys had some positive attribution to share out."""
     weights = normalised_positive(
-        frame.select("touchpoints", "integrated_gradients"), "integrated_gradients"
+        explained.select(_filled(dimension).alias("touchpoints"), "integrated_gradients"),
+        "integrated_gradients",
     )
-    explained = weights.height
     table = (
         weights.explode(["touchpoints", "weight"])
         .group_by(touchpoint=pl.col("touchpoints"))
-        .agg(integrated_gradients=pl.col("weight").cast(pl.Float64).sum() / max(explained, 1))
+        .agg(integrated_gradients=pl.col("weight").cast(pl.Float64).sum() / max(weights.height, 1))
         .sort("touchpoint")
     )
-    from journeys.inference import IG_STEPS
-
-    summary = {"ig_sample": frame.height, "ig_explained": explained, "ig_steps": steps or IG_STEPS}
-    return table, summary
+    return table, weights.height
 
 
 # ----------------------------------------------------------------------------- report
@@ -415,44 +420,70 @@ def build_report(
     scores: pl.LazyFrame,
     *,
     loaded: LoadedModel | None = None,
-    ig_sample: int = IG_SAMPLE,
-    seed: int = SEED,
+    settings: AttributionSettings | None = None,
 ) -> AttributionReport:
-    """Every table, summary fact and figure of the report (nothing written yet)."""
+    """Every table, summary fact and figure of the report (nothing written yet).
+
+    Credit, the Markov chain and their plots come once per dimension of `settings.by`
+    (every feature by default); the `credit` and Markov tables hold all of them, told
+    apart by their `dimension` column. A missing value is its own touchpoint, `(none)`.
+    """
+    from journeys.config import Attribution
+
+    settings = settings or Attribution()
     schema = scores.collect_schema()
-    dimension = touchpoint_column(schema)
+    dimensions = report_dimensions(schema, settings.by)
     # All columns stay available (IG re-encodes the journeys); projection pushdown reads
     # only what each query uses.
-    journeys = scores.with_columns(outcome_expr(schema), _filled(dimension).alias("touchpoints"))
+    journeys = scores.with_columns(outcome_expr(schema))
     converted = journeys.filter(pl.col("outcome") == CONVERTED)
-    known = journeys.filter(pl.col("outcome") != UNKNOWN).select(
-        "touchpoints", converted=pl.col("outcome") == CONVERTED
-    )
+    known = journeys.filter(pl.col("outcome") != UNKNOWN)
 
     tables: dict[str, pl.DataFrame] = {
-        "attention_by_event_type": attention_by(scores, "event_type"),
+        f"attention_by_{name}": attention_by(scores, name)
+        for name in dict.fromkeys(["event_type", *dimensions])
     }
-    if CHANNEL in schema:
-        tables["attention_by_channel"] = attention_by(scores, CHANNEL)
-    tables["attention_by_position"] = attention_by_position(scores)
+    tables["attention_by_position"] = attention_by_position(scores, settings.position_cap)
 
-    markov = markov_attribution(known)
-    credit = _outer(rule_based_credit(converted).lazy(), attention_credit(converted).lazy())
-    credit = _outer(credit, markov.removal.select("touchpoint", "markov").lazy())
     summary: dict[str, Any] = {}
-    if loaded is not None and ig_sample > 0:
-        ig_table, summary = ig_credit(loaded, converted, ig_sample, seed)
-        credit = _outer(credit, ig_table.lazy())
-    credit_table = credit.collect()
-    methods = [m for m in METHODS if m in credit_table.columns]
-    credit_table = (
-        credit_table.with_columns(pl.col(m).fill_null(0.0) for m in methods)
-        .select(pl.lit(dimension).alias("dimension"), "touchpoint", *methods)
-        .sort("touchpoint")
-    )
-    tables["credit"] = credit_table
-    tables["markov_transitions"] = markov.transitions
-    tables["markov_removal_effects"] = markov.removal
+    explained = None
+    if loaded is not None and settings.ig_sample > 0:
+        from journeys.inference import IG_STEPS
+
+        explained = explain_sample(loaded, converted, settings.ig_sample, settings.seed)
+        summary |= {"ig_sample": explained.height, "ig_steps": IG_STEPS}
+
+    credits, transitions, removals, figures = [], [], [], {}
+    markov_probability: dict[str, float] = {}
+    for dimension in dimensions:
+        touchpoints = _filled(dimension).alias("touchpoints")
+        paths = known.select(touchpoints, converted=pl.col("outcome") == CONVERTED)
+        markov = markov_attribution(paths, settings.markov_max_states)
+        on_converted = converted.with_columns(touchpoints)
+        credit = _outer(
+            rule_based_credit(on_converted).lazy(), attention_credit(on_converted).lazy()
+        )
+        credit = _outer(credit, markov.removal.select("touchpoint", "markov").lazy())
+        if explained is not None:
+            ig_table, explained_journeys = ig_credit(explained, dimension)
+            credit = _outer(credit, ig_table.lazy())
+            summary[f"ig_explained_{dimension}"] = explained_journeys
+        table = credit.collect()
+        methods = [m for m in METHODS if m in table.columns]
+        table = (
+            table.with_columns(pl.col(m).fill_null(0.0) for m in methods)
+            .select(pl.lit(dimension).alias("dimension"), "touchpoint", *methods)
+            .sort("touchpoint")
+        )
+        credits.append(table)
+        by = pl.lit(dimension).alias("dimension")
+        transitions.append(markov.transitions.select(by, pl.all()))
+        removals.append(markov.removal.select(by, pl.all()))
+        markov_probability[dimension] = markov.conversion_probability
+        figures[f"credit_by_{dimension}.png"] = plot_credit(table, dimension, methods)
+    tables["credit"] = pl.concat(credits, how="diagonal")
+    tables["markov_transitions"] = pl.concat(transitions)
+    tables["markov_removal_effects"] = pl.concat(removals)
 
     counts = dict(
         journeys.group_by("outcome").agg(pl.len()).collect().iter_rows()  # type: ignore[arg-type]
@@ -461,25 +492,24 @@ def build_report(
     summary = {
         "journeys": sum(counts.values()),
         "journeys_by_outcome": {k: counts.get(k, 0) for k in (CONVERTED, NOT_CONVERTED, UNKNOWN)},
-        "touchpoint_dimension": dimension,
-        "credit_methods": methods,
+        "dimensions": dimensions,
+        "credit_methods": [m for m in METHODS if m in tables["credit"].columns],
         "observed_conversion_rate": counts.get(CONVERTED, 0) / n_known if n_known else None,
-        "markov_conversion_probability": markov.conversion_probability,
+        "markov_conversion_probability": markov_probability,
         **summary,
     }
     if not counts.get(CONVERTED):
         summary["note"] = "no converting journeys with a known outcome: no credit to share out"
-    examples = _examples(journeys)
-    figures = {
-        "credit_by_touchpoint.png": plot_credit(credit_table, dimension, methods),
-        "attention_by_position.png": plot_position(tables["attention_by_position"], POSITION_CAP),
-    }
+    examples = _examples(journeys, settings.example_journeys)
+    figures["attention_by_position.png"] = plot_position(
+        tables["attention_by_position"], settings.position_cap
+    )
     if examples.height:
         figures["attention_examples.png"] = plot_examples(examples, EXAMPLE_EVENTS)
     return AttributionReport(tables, summary, figures)
 
 
-def _examples(journeys: pl.LazyFrame, n: int = N_EXAMPLES) -> pl.DataFrame:
+def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
     """The highest-scoring converting journeys (any journeys when none converted)."""
     order = (
         "conversion_probability" if "conversion_probability" in journeys.collect_schema() else None
@@ -512,16 +542,15 @@ def attribute(
     out: str | Path,
     *,
     loaded: LoadedModel | None = None,
-    ig_sample: int = IG_SAMPLE,
-    seed: int = SEED,
+    settings: AttributionSettings | None = None,
 ) -> AttributionReport:
     """Build the report from scores (a folder, a file or a LazyFrame) and write it to `out`.
 
     With `loaded` (the model that produced the scores) integrated gradients are added on
-    a sample of `ig_sample` converting journeys.
+    a sample of `settings.ig_sample` converting journeys.
     """
     frame = scores if isinstance(scores, pl.LazyFrame) else scan_scores(scores)
-    report = build_report(frame, loaded=loaded, ig_sample=ig_sample, seed=seed)
+    report = build_report(frame, loaded=loaded, settings=settings)
     write_report(report, out)
     return report
 
@@ -543,8 +572,9 @@ def attribute_command(
     frame = scan_scores(scores)
     metadata = read_metadata(scores)
     store = tracking_uri(config)
-    loaded = _load_scoring_model(metadata, store)
-    report = attribute(frame, out, loaded=loaded)
+    settings = config.attribution
+    loaded = _load_scoring_model(metadata, store) if settings.ig_sample else None
+    report = attribute(frame, out, loaded=loaded, settings=settings)
     print_credit(report)
     if "note" in report.summary:
         print(report.summary["note"])
@@ -586,19 +616,20 @@ def _load_scoring_model(metadata: dict[str, Any], store: str) -> LoadedModel | N
 
 
 def print_credit(report: AttributionReport) -> None:
-    """The credit table, one row per touchpoint, one column per method (shares in %)."""
+    """One credit table per dimension: a row per touchpoint, a column per method (%)."""
     from rich.console import Console
     from rich.table import Table
 
-    credit = report.credit
-    methods = [c for c in credit.columns if c in METHODS]
-    table = Table(title=f"credit by {report.summary['touchpoint_dimension']} (converting journeys)")
-    table.add_column("touchpoint")
-    for method in methods:
-        table.add_column(method.replace("_", " "), justify="right")
-    for row in credit.iter_rows(named=True):
-        table.add_row(row["touchpoint"], *[f"{100 * row[m]:.1f}%" for m in methods])
-    Console().print(table)
+    console = Console()
+    for (dimension,), credit in report.credit.group_by("dimension", maintain_order=True):
+        methods = [c for c in credit.columns if c in METHODS]
+        table = Table(title=f"credit by {dimension} (converting journeys)")
+        table.add_column("touchpoint")
+        for method in methods:
+            table.add_column(method.replace("_", " "), justify="right")
+        for row in credit.iter_rows(named=True):
+            table.add_row(row["touchpoint"], *[f"{100 * row[m]:.1f}%" for m in methods])
+        console.print(table)
 
 
 def _warn(message: str) -> None:

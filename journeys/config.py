@@ -318,6 +318,20 @@ class Score(Section):
     attention: Literal["pooled", "rollout"] = "pooled"
 
 
+class Attribution(Section):
+    # The dimensions credit is broken down by: list columns of the scores (features, or
+    # event_type). null: every configured feature, or event_type when there is none.
+    by: list[str] | None = None
+    ig_sample: Annotated[int, Field(ge=0)] = 256  # converting journeys explained by IG; 0: off
+    position_cap: Annotated[int, Field(ge=1)] = 20  # positions from the end pooled beyond this
+    markov_max_states: Annotated[int, Field(ge=2)] = 100  # rarer touchpoints lumped as (other)
+    example_journeys: Annotated[int, Field(ge=0)] = 8  # journeys in the attention heatmap
+    seed: int = 0  # which converting journeys IG explains
+
+    def dimensions(self, features: list[str]) -> list[str]:
+        return list(self.by) if self.by else (list(features) or ["event_type"])
+
+
 class Schedule(Section):
     timezone: str = "UTC"
     ingest_cron: str = "0 2 * * *"
@@ -359,6 +373,7 @@ class Config(Section):
     train: Train = Field(default_factory=Train)
     mlflow: Mlflow = Field(default_factory=Mlflow)
     score: Score = Field(default_factory=Score)
+    attribution: Attribution = Field(default_factory=Attribution)
     schedule: Schedule = Field(default_factory=Schedule)
     orchestration: Orchestration = Field(default_factory=Orchestration)
 

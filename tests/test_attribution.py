@@ -69,7 +69,7 @@ def test_markov_removal_effects_match_the_hand_calculation() -> None:
     paths = pl.LazyFrame(
         {"touchpoints": [p for p, _ in PATHS], "converted": [bool(y) for _, y in PATHS]}
     )
-    result = markov_attribution(paths)
+    result = markov_attribution(paths, max_states=100)
     assert result.conversion_probability == pytest.approx(3 / 5, abs=1e-9)
     removal = {row["touchpoint"]: row for row in result.removal.iter_rows(named=True)}
     assert removal["A"]["removal_effect"] == pytest.approx(3 / 5, abs=1e-9)
@@ -135,7 +135,7 @@ def test_attention_tables_by_event_type_channel_and_position() -> None:
     assert cart["lift"] == pytest.approx((1.4 / 2) / (2 / 5))
     by_channel = attention_by(scores, "channel").filter(pl.col("outcome") == CONVERTED)
     assert "(none)" in by_channel["channel"].to_list()  # a missing channel is a value
-    by_position = attention_by_position(scores).filter(pl.col("outcome") == CONVERTED)
+    by_position = attention_by_position(scores, cap=20).filter(pl.col("outcome") == CONVERTED)
     last = by_position.filter(pl.col("position_from_end") == 0).row(0, named=True)
     assert last["events"] == 2
     assert last["mean_attention"] == pytest.approx(0.7)
@@ -185,13 +185,31 @@ def test_attribute_command_writes_tables_plots_and_one_line_errors(
         "markov_transitions",
     ):
         assert (report / f"{table}.parquet").exists() and (report / f"{table}.csv").exists()
-    for plot in ("credit_by_touchpoint.png", "attention_examples.png"):
+    for plot in ("credit_by_channel.png", "credit_by_device.png", "attention_examples.png"):
         assert (report / plot).read_bytes()[:4] == b"\x89PNG"
     credit = pl.read_parquet(report / "credit.parquet")
     assert credit.columns == ["dimension", "touchpoint", *METHODS]  # IG from the scores' model
-    for method in METHODS:
-        assert credit[method].sum() == pytest.approx(1.0), method
-    assert "credit by channel" in capsys.readouterr().out
+    # By default every feature the model read is a dimension; each one's credit sums to 1.
+    assert set(credit["dimension"]) == {"channel", "device"}
+    for (dimension,), part in credit.group_by("dimension"):
+        for method in METHODS:
+            assert part[method].sum() == pytest.approx(1.0), (dimension, method)
+    printed = capsys.readouterr().out
+    assert "credit by channel" in printed and "credit by device" in printed
+
+    # attribution.by chooses the breakdown; an unknown dimension is one line, exit 2.
+    only = tmp_path / "by-device"
+    args = ["attribute", "--out", str(only), "--set", "attribution.by=[device, event_type]"]
+    assert main([*args, *settings(tmp_path)]) == 0
+    chosen = pl.read_parquet(only / "credit.parquet")
+    assert chosen["dimension"].unique(maintain_order=True).to_list() == ["device", "event_type"]
+    markov = pl.read_parquet(only / "markov_removal_effects.parquet")
+    assert set(markov["dimension"]) == {"device", "event_type"}
+    assert not (only / "credit_by_channel.png").exists()
+    capsys.readouterr()
+    code = main(["attribute", "--set", "attribution.by=[campaign]", *settings(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "attribution.by" in err
 
     code = main(["attribute", "--scores", str(tmp_path / "nowhere"), *settings(tmp_path)])
     err = capsys.readouterr().err

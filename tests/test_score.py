@@ -311,8 +311,8 @@ def test_bad_model_or_input_exits_2_with_one_line(
     pl.DataFrame({"visitor": ["a"], "ts": ["2026-01-01"], "action": ["x"]}).write_csv(other_columns)
 
     cases = [
-        ([], "no MLflow store"),  # default champion, no store at all
-        (["--model", str(tmp_path / "nope")], "not found"),
+        (["--input", str(journeys)], "no MLflow store"),  # default champion, no store at all
+        (["--model", str(tmp_path / "nope"), "--input", str(journeys)], "not found"),
         (["--model", str(model), "--input", str(tmp_path / "missing.csv")], "input not found"),
         (["--model", str(model), "--input", str(broken)], "cannot read"),
         (["--model", str(model), "--input", str(no_device)], "lack column(s) ['device']"),
@@ -337,7 +337,7 @@ def test_missing_alias_in_an_existing_store_exits_2(
     MlflowClient(tracking_uri=mlflow_env).search_experiments()  # creates the store
     capsys.readouterr()  # MLflow's own log lines about creating it
     for uri in ("models:/journey-conversion@champion", "models:/nope/3"):
-        code = main(["score", "--model", uri, *settings(tmp_path)])
+        code = main(["score", "--model", uri, "--input", str(setup[0]), *settings(tmp_path)])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert f"model {uri} not found" in err
@@ -373,7 +373,7 @@ def test_champion_is_scored_and_the_run_logged(
     assert run.data.params["rows"] == str(scores.height)
     assert run.data.params["model_uri"] == "models:/journey-conversion@champion"
     logged = {a.path for a in client.list_artifacts(run_id, "attribution")}
-    assert {"attribution/credit.csv", "attribution/credit_by_touchpoint.png"} <= logged
+    assert {"attribution/credit.csv", "attribution/credit_by_channel.png"} <= logged
 
 
 def test_journeys_datasets_are_told_apart_from_raw_logs(
