@@ -194,8 +194,14 @@ class Split(Section):
     def _sum_to_one(cls, fractions: tuple[float, float, float]) -> tuple[float, float, float]:
         if any(f < 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
             raise ValueError("split fractions must be non-negative and sum to 1")
-        if fractions[0] <= 0:
-            raise ValueError("the train fraction must be positive")
+        # Validated here once, against what training needs: it fits on train, picks the
+        # checkpoint and the temperature on val, and registers by test.
+        empty = [name for name, f in zip(("train", "val", "test"), fractions, strict=True) if f <= 0]
+        if empty:
+            raise ValueError(
+                f"the {' and '.join(empty)} share must be positive (training needs train, "
+                "val and test), e.g. [0.7, 0.15, 0.15]"
+            )
         return fractions
 
 

@@ -314,14 +314,13 @@ def test_late_converted_journeys_take_no_split_unless_configured(
         tmp_path / "e.csv",
         tmp_path,
         f"split.exclude_recent_conversions={str(exclude).lower()}",
-        "split.fractions=[1.0,0.0,0.0]",
     )
     result = run_ingest(config)
     by_user = {j["user_id"]: j for j in result.journeys.iter_rows(named=True)}
     assert by_user["c"]["label"] == 1 and not by_user["c"]["censored"]  # the contract's rule
-    assert by_user["c"]["split"] == ("none" if exclude else "train")
+    assert (by_user["c"]["split"] == "none") == exclude
     assert by_user["d"]["censored"] and by_user["d"]["split"] == "none"
-    assert by_user["a"]["split"] == by_user["b"]["split"] == "train"
+    assert by_user["a"]["split"] == "train" and by_user["b"]["split"] != "none"
     assert result.report["journeys_converted_near_end"] == (1 if exclude else 0)
     assert result.report["journeys_censored"] == 2  # d and e
     assert result.report["journeys_by_split"]["none"] == (3 if exclude else 2)
@@ -482,6 +481,8 @@ def test_bpic2012_committed_sample_ingests(tmp_path: Path) -> None:
         (["ingest", "--set", "journey.max_events=many"], "journey.max_events"),
         (["ingest", "--set", "journey.max_gap=soon"], "not a duration"),
         (["ingest", "--set", "paths.raw=/nonexistent/events.csv"], "input not found"),
+        # Validated once, at config time, against what training needs.
+        (["ingest", "--set", "split.fractions=[0.8,0.2,0]"], "test share must be positive"),
     ],
 )
 def test_bad_configuration_or_input_exits_2_with_one_line(
