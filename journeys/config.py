@@ -213,6 +213,9 @@ class Ingest(Section):
     # almost surely wrong (timestamp_unit, timezone, columns): ingest stops with exit 2,
     # writes the quarantine for a look and leaves the previous journeys as they were.
     max_quarantined_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    # No row matching data.conversion_events means every label would be 0: stop with exit
+    # 2. false: a log ingested only to be scored (scoring a raw log sets it so).
+    require_conversions: bool = True
 
 
 class Vocab(Section):

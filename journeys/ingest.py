@@ -18,10 +18,12 @@ The work runs in three passes so memory stays bounded by one partition, not the 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import polars as pl
 
@@ -48,6 +50,7 @@ UNSPLIT = "_unsplit"  # a working column: the journey takes no split (see unspli
 QUARANTINE_BUCKET = -1
 BUCKET = "_bucket"
 ROW_ORDER = "_order"
+TOP_EVENT_TYPES = 5  # listed when no conversion event is found
 
 
 def journey_id_expr(user: str = "user_id", start: str = "start_time") -> pl.Expr:
@@ -171,6 +174,7 @@ class PartitionResult:
     users: int
     data_start: datetime | None
     data_end: datetime | None
+    conversions: int = 0  # conversion events among the valid rows
 
 
 def build_partition(partition: Path | None, config: Config, out: Path) -> PartitionResult:
@@ -180,6 +184,7 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
     else:
         rows = pl.read_parquet(sorted(partition.glob("*.parquet")))
     clean = clean_events(rows.drop(REASON), config.data)
+    conversions = list(config.data.conversion_events)
     built = build_journeys(sort_events(clean.events, config.data.features), config)
     built.journeys.write_parquet(out)
     return PartitionResult(
@@ -192,6 +197,7 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
         users=clean.events.get_column("user_id").n_unique(),
         data_start=clean.events.get_column(TS).min(),
         data_end=clean.data_end,
+        conversions=int(clean.events.get_column("event_type").is_in(conversions).sum()),
     )
 
 
@@ -309,14 +315,22 @@ def finish(
     journeys_folder: Path,
     quarantine_folder: Path,
 ) -> IngestResult:
-    """Pass 3: censoring, split and vocabularies from global facts; write everything."""
+    """Pass 3: censoring, split and vocabularies from global facts; write everything.
+
+    Censoring counts from `data.observed_until` (the moment up to which conversions were
+    recorded), by default the last event.
+    """
     data_end = max((p.data_end for p in parts if p.data_end), default=None)
+    observed_until = observation_end(config, data_end)
     max_gap = config.journey.max_gap_delta
     flags = [
-        censored_expr(data_end, max_gap).alias("censored"),
-        unsplit_expr(data_end, max_gap, config.split.exclude_recent_conversions).alias(UNSPLIT),
+        censored_expr(observed_until, max_gap).alias("censored"),
+        unsplit_expr(observed_until, max_gap, config.split.exclude_recent_conversions).alias(
+            UNSPLIT
+        ),
     ]
     staged_journeys = pl.scan_parquet([p.path for p in parts]).with_columns(flags)
+    require_conversions(config, parts, staged_journeys)
     ends = staged_journeys.filter(~pl.col(UNSPLIT)).select("end_time").collect().to_series()
     split = split_expr(ends, config.split.fractions)
     labelled = staged_journeys.with_columns(split.alias("split"))
@@ -336,14 +350,7 @@ def finish(
     report = make_report(staged, parts, summary, data_end)
 
     columns = [*parts_columns(config)]
-    with atomic_dir(quarantine_folder) as folder:
-        schema = staged_schema(config)
-        quarantine = (
-            pl.scan_parquet(staged.quarantine) if staged.quarantine else pl.LazyFrame(schema=schema)
-        )
-        quarantine.select(*[name for name in schema if name not in (TS, ROW_HASH)]).sink_parquet(
-            folder / QUARANTINE_FILE
-        )
+    write_quarantine(config, staged, quarantine_folder)
     with atomic_dir(journeys_folder) as folder:
         for index, part in enumerate(parts):
             pl.scan_parquet(part.path).with_columns(flags).with_columns(
@@ -352,6 +359,121 @@ def finish(
         vocabularies.save(folder)
         write_json(report, folder / REPORT_FILE)
     return IngestResult(report, journeys_folder, quarantine_folder, vocabularies)
+
+
+def write_quarantine(config: Config, staged: Staged, quarantine_folder: Path) -> None:
+    """The quarantined rows with their original values, source, row number and reason."""
+    with atomic_dir(quarantine_folder) as folder:
+        schema = staged_schema(config)
+        quarantine = (
+            pl.scan_parquet(staged.quarantine) if staged.quarantine else pl.LazyFrame(schema=schema)
+        )
+        quarantine.select(*[name for name in schema if name not in (TS, ROW_HASH)]).sink_parquet(
+            folder / QUARANTINE_FILE
+        )
+
+
+# ----------------------------------------------------------------------------- guards
+# Results a user could mistake for real ones are refused with one line naming the fix.
+
+TIMESTAMP_FIX = (
+    "check data.timestamp_unit (now {unit}; auto infers s/ms/us/ns), data.timezone and "
+    "data.columns.timestamp"
+)
+FIXES = {
+    "missing_user_id": "check data.columns.user_id (and data.header, data.separator)",
+    "missing_event_type": "check data.columns.event_type (and data.header, data.separator)",
+    "bad_timestamp": TIMESTAMP_FIX,
+    "implausible_timestamp": TIMESTAMP_FIX + " (or data.plausible_from)",
+    "out_of_range": "check data.valid_from and data.valid_until",
+}
+
+
+def check_quarantine(config: Config, staged: Staged, quarantine_folder: Path) -> None:
+    """Stop (InputError) when more than `ingest.max_quarantined_share` of the rows read
+    were quarantined: the configuration, not the data, is almost surely wrong. The
+    quarantine is written first so the user can look; the journeys stay as they were."""
+    if not staged.quarantine or staged.rows_read == 0:
+        return
+    quarantine = pl.scan_parquet(staged.quarantine)
+    counts = quarantine.group_by(REASON).len().sort("len", descending=True).collect()
+    total = int(counts.get_column("len").sum())
+    share = total / staged.rows_read
+    if share <= config.ingest.max_quarantined_share:
+        return
+    write_quarantine(config, staged, quarantine_folder)
+    reason = str(counts.item(0, REASON))
+    parsed = quarantine.filter(pl.col(REASON) == reason).select(
+        low=pl.col(TS).min(), high=pl.col(TS).max()
+    )
+    low, high = parsed.collect().row(0)
+    seen = f" (timestamps parsed to {low:%Y-%m-%d} .. {high:%Y-%m-%d})" if low else ""
+    fix = FIXES.get(reason, "check data.columns").format(unit=config.data.timestamp_unit)
+    raise InputError(
+        f"{total:,} of {staged.rows_read:,} rows ({share:.0%}) were quarantined, most as "
+        f"{reason}{seen}: {fix}; the quarantine is in {quarantine_folder}, the journeys "
+        f"are unchanged (ingest.max_quarantined_share {config.ingest.max_quarantined_share})"
+    )
+
+
+def warn_unmatched_event_map(config: Config, staged: Staged) -> None:
+    """A `data.event_map` key that matches no event type is probably misspelt: warn."""
+    if not config.data.event_map or not staged.partitions:
+        return
+    files = [f for p in staged.partitions for f in p.glob("*.parquet")]
+    seen = set(
+        pl.scan_parquet(files)
+        .select(pl.col("event_type").str.strip_chars().unique())
+        .collect()
+        .get_column("event_type")
+    )
+    unmatched = sorted(set(config.data.event_map) - seen)
+    if unmatched:
+        print(
+            f"journeys ingest: warning: data.event_map keys {unmatched} match no event type",
+            file=sys.stderr,
+        )
+
+
+def require_conversions(
+    config: Config, parts: list[PartitionResult], journeys: pl.LazyFrame
+) -> None:
+    """Stop (InputError) when no row is a conversion: every label would be 0, and only
+    training, much later, would complain (`ingest.require_conversions: false` to score)."""
+    if not config.ingest.require_conversions or any(p.conversions for p in parts):
+        return
+    if not any(p.rows_valid for p in parts):
+        return
+    top = (
+        journeys.select(pl.col("event_type").explode())
+        .group_by("event_type")
+        .len()
+        .sort(["len", "event_type"], descending=[True, False])
+        .head(TOP_EVENT_TYPES)
+        .collect()
+    )
+    listed = ", ".join(f"{name} ({count:,})" for name, count in top.iter_rows())
+    raise InputError(
+        f"no row matches data.conversion_events {list(config.data.conversion_events)}; the "
+        f"most frequent event types (after data.event_map) are: {listed}"
+    )
+
+
+def observation_end(config: Config, data_end: datetime | None) -> datetime | None:
+    """Where censoring counts from: `data.observed_until`, else the last event."""
+    observed = config.data.observed_until
+    if observed is None:
+        return data_end
+    if observed.tzinfo is None:
+        observed = observed.replace(tzinfo=ZoneInfo(config.data.timezone))
+    observed = observed.astimezone(UTC)
+    if data_end is not None and observed < data_end:
+        raise InputError(
+            f"data.observed_until ({observed:%Y-%m-%d %H:%M}) is before the last event "
+            f"({data_end:%Y-%m-%d %H:%M}): conversions cannot be recorded for less time than "
+            "the log covers; set it at or after the last event, or leave it null"
+        )
+    return observed
 
 
 def parts_columns(config: Config) -> list[str]:
@@ -423,6 +545,8 @@ def run_ingest(
     quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
     with scratch_dir(journeys_folder.parent, "ingest") as scratch:
         staged = stage(config, scratch / "staged", raw)
+        check_quarantine(config, staged, quarantine_folder)
+        warn_unmatched_event_map(config, staged)
         built = scratch / "built"
         built.mkdir()
         parts = [

@@ -140,6 +140,8 @@ def scoring_config(config: Config, preprocessing: dict[str, Any]) -> Config:
     for key in ("max_gap", "max_events", "after_conversion"):
         if key in preprocessing:
             journey[key] = preprocessing[key]
+    # A log to score may hold no conversion yet: its journeys are the open ones.
+    tree["ingest"]["require_conversions"] = False
     return Config.model_validate(tree)
 
 

@@ -15,6 +15,7 @@ from test_ingest import assert_accounting, clean_log, config_for, journeys_of
 
 from journeys.cli import main
 from journeys.config import load_config
+from journeys.errors import InputError
 from journeys.ingest import ingest, run_ingest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,3 +218,67 @@ def test_a_missing_input_names_its_absolute_path_and_creates_nothing(
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert str(tmp_path) in err, err  # the absolute path tried
     assert not data.exists()  # no lock file, no folder
+
+
+# --- guards: what would turn into silent garbage ----------------------------------------------
+
+
+def cli_ingest(raw: Path, tmp: Path, *extra: str) -> int:
+    sets = [f"paths.raw={raw}", f"paths.journeys={tmp / 'journeys'}",
+            f"paths.quarantine={tmp / 'quarantine'}", "vocab.min_count=1", *extra]  # fmt: skip
+    return main(["ingest", *[arg for s in sets for arg in ("--set", s)]])
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_epoch_seconds_read_as_ms_stop_with_the_fix_and_keep_the_old_journeys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seconds = clean_log(n_users=30, seed=8).with_columns(
+        pl.col("timestamp").str.to_datetime(time_zone="UTC").dt.epoch("s").alias("timestamp")
+    )
+    seconds.write_csv(tmp_path / "log.csv")
+    assert cli_ingest(tmp_path / "log.csv", tmp_path, "data.timestamp_unit=s") == 0
+    before = folder_bytes(tmp_path / "journeys")
+    capsys.readouterr()
+
+    code = cli_ingest(tmp_path / "log.csv", tmp_path, "data.timestamp_unit=ms")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "implausible_timestamp" in err and "timestamp_unit (now ms" in err
+    assert "1970-01-" in err  # the parsed range shows what went wrong
+    assert folder_bytes(tmp_path / "journeys") == before  # the previous journeys stand
+    quarantine = pl.read_parquet(tmp_path / "quarantine" / "quarantine.parquet")
+    assert quarantine.height == seconds.height  # written, so the user can look
+    assert cli_ingest(tmp_path / "log.csv", tmp_path / "auto", "data.timestamp_unit=auto") == 0
+
+
+def test_an_absent_conversion_event_stops_ingest_and_names_the_event_types(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clean_log(n_users=30, seed=9).write_csv(tmp_path / "log.csv")
+    code = cli_ingest(tmp_path / "log.csv", tmp_path, "data.conversion_events=[order]")
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "data.conversion_events ['order']" in err and "page_view (" in err
+    assert not (tmp_path / "journeys").exists()
+    # A misspelt event_map key is a warning, not an error.
+    assert cli_ingest(tmp_path / "log.csv", tmp_path, "data.event_map={Purchse: purchase}") == 0
+    assert "data.event_map keys ['Purchse'] match no event type" in capsys.readouterr().err
+
+
+def test_observed_until_past_the_data_censors_nothing(tmp_path: Path) -> None:
+    clean_log(n_users=40, seed=10).write_csv(tmp_path / "log.csv")
+    default = run_ingest(config_for(tmp_path / "log.csv", tmp_path / "a")).report
+    assert default["journeys_censored"] > 0
+    final = run_ingest(
+        config_for(tmp_path / "log.csv", tmp_path / "b", "data.observed_until=2027-01-01T00:00:00")
+    )
+    assert final.report["journeys_censored"] == 0 and final.report["journeys_by_split"]["none"] == 0
+    assert final.journeys.height == default["journeys"]
+    with pytest.raises(InputError, match=r"observed_until .* is before the last event"):
+        run_ingest(
+            config_for(tmp_path / "log.csv", tmp_path / "c", "data.observed_until=2026-01-02")
+        )
