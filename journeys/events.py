@@ -32,7 +32,7 @@ REASONS = (
 SOURCE, ROW = "source_file", "row_number"
 TS = "ts"  # the parsed UTC timestamp; `timestamp` keeps the original text
 REASON = "reason"
-ROW_HASH = "row_hash"  # a hash of every column of the source row (data.dedupe: all_columns)
+ROW_HASH = "row_hash"  # a hash of the source row's unread columns (data.dedupe: all_columns)
 
 # Accepted ISO 8601 layouts after normalising `Z` to `+00:00` and a space to `T`.
 _ISO_WITH_OFFSET = "%Y-%m-%dT%H:%M:%S%.f%:z"
@@ -236,9 +236,13 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
     index = "__journeys_row_index"  # not ROW: the raw file may have a `row_number` column
     extra = []
     if data.dedupe == "all_columns":
-        # Every column of the source, read or not: rows that differ only in a column the
-        # product ignores (a step number, the item clicked) are repeated interactions.
-        extra.append(pl.struct(pl.all().exclude(index)).hash(seed=0).alias(ROW_HASH))
+        # Rows that differ only in a column the product ignores (a step number, the item
+        # clicked) are repeated interactions, not copies: the columns read are compared
+        # as they are, the others through one hash (a nested record a feature reads from
+        # is hashed whole). A log with no other column hashes nothing.
+        unread = [name for name in schema.names() if name not in raw_names.values()]
+        row_hash = pl.struct(unread).hash(seed=0) if unread else pl.lit(0, pl.UInt64)
+        extra.append(row_hash.alias(ROW_HASH))
     return frame.with_row_index(index, offset=1).select(
         *[expr.cast(pl.String).alias(logical) for logical, (expr, _) in columns.items()],
         _parse_timestamp(ts_raw, ts_type, data).alias(TS),
