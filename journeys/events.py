@@ -241,7 +241,13 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
         # as they are, the others through one hash (a nested record a feature reads from
         # is hashed whole). A log with no other column hashes nothing.
         unread = [name for name in schema.names() if name not in raw_names.values()]
-        row_hash = pl.struct(unread).hash(seed=0) if unread else pl.lit(0, pl.UInt64)
+        if not unread:
+            row_hash = pl.lit(0, pl.UInt32)
+        else:
+            unread_values = pl.col(unread[0]) if len(unread) == 1 else pl.struct(unread)
+            # 32 bits suffice: a hash only has to tell apart rows already equal in every
+            # column read (the same user, instant, event and features), a handful at most.
+            row_hash = (unread_values.hash(seed=0) % (1 << 32)).cast(pl.UInt32)
         extra.append(row_hash.alias(ROW_HASH))
     return frame.with_row_index(index, offset=1).select(
         *[expr.cast(pl.String).alias(logical) for logical, (expr, _) in columns.items()],

@@ -208,7 +208,7 @@ def staged_schema(config: Config) -> dict[str, pl.DataType]:
         TS: UTC_US,
         SOURCE: pl.String(),
         ROW: pl.Int64(),
-        **({ROW_HASH: pl.UInt64()} if config.data.dedupe == "all_columns" else {}),
+        **({ROW_HASH: pl.UInt32()} if config.data.dedupe == "all_columns" else {}),
         REASON: pl.String(),
     }
 
