@@ -13,7 +13,6 @@ that run before training use it without importing torch.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,7 +130,7 @@ def check_trainable(
     """Raise `InputError` unless the journeys dataset can be trained and evaluated on;
     return split sizes. Train, val and test each need both classes (a one-class val split
     would fit the temperature and pick the checkpoint on nothing; a one-class test split
-    has no AUC to register the model by); few conversions in val or test are a warning.
+    has no AUC to register the model by); few conversions are `evaluation_warnings`.
 
     Cheap (schema and one aggregation), so it runs before any data is put on tensors.
     """
@@ -169,10 +168,16 @@ def check_trainable(
                 f"the {split} split of {folder} has one class only ({size['positives']} "
                 f"conversions of {size['n']:,} journeys): {fix}"
             )
-    for split in ("val", "test"):
-        if sizes[split]["positives"] < MIN_EVALUATION_CONVERSIONS:
-            print(small_evaluation_warning(split, sizes[split]), file=sys.stderr)
     return sizes
+
+
+def evaluation_warnings(sizes: dict[str, dict[str, int]]) -> list[str]:
+    """A warning for each of val and test with too few conversions to mean much."""
+    return [
+        small_evaluation_warning(split, sizes[split])
+        for split in ("val", "test")
+        if sizes[split]["positives"] < MIN_EVALUATION_CONVERSIONS
+    ]
 
 
 # ----------------------------------------------------------------------------- scores

@@ -49,6 +49,7 @@ from journeys.datasets import (
     MIN_EVALUATION_CONVERSIONS,
     SPLITS,
     check_trainable,
+    evaluation_warnings,
     labelled,
     scan_journeys,
     small_evaluation_warning,
@@ -262,6 +263,8 @@ def train_command(
     """
     if sizes is None:
         sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
+    for warning in evaluation_warnings(sizes):
+        print(warning, file=sys.stderr)
     # Per-file progress bars for a handful of small artifacts are noise in the log.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     uri = tracking.tracking_uri(config)

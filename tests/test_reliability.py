@@ -561,7 +561,8 @@ def test_one_user_with_a_million_events_is_truncated_in_bounded_memory(tmp_path:
         }
     ).write_parquet(tmp_path / "whale.parquet")
 
-    args = ["ingest", *path_args(tmp_path, tmp_path / "whale.parquet")]
+    no_conversion = sets("ingest.require_conversions=false")  # the whale never buys
+    args = ["ingest", *path_args(tmp_path, tmp_path / "whale.parquet"), *no_conversion]
     code, err, _, _, peak_gb = run_measured(args)
     assert code == 0, err[-2000:]
     print(f"peak RSS of ingest with one 1M-event user: {peak_gb:.2f} GB")
