@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.recording import append_results, machine  # noqa: E402
+from benchmarks.recording import machine, record_section  # noqa: E402
 
 WORK = ROOT / "data" / "bench" / "faithfulness"
 METHODS = ("pooled", "rollout", "integrated_gradients")
@@ -416,7 +416,7 @@ def main() -> None:
     text = markdown(outcome, command.strip(), seconds)
     print(text)
     if not args.no_record:
-        append_results(text)
+        record_section(text)
 
 
 if __name__ == "__main__":

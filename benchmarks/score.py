@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.recording import append_results, machine  # noqa: E402
+from benchmarks.recording import machine, record_section  # noqa: E402
 
 WORK = ROOT / "data" / "bench" / "score"
 # 1x: about 1.7 journeys (20 events) per user, so ~67k journeys: more than one chunk of
@@ -280,7 +280,7 @@ def main() -> None:
     text = markdown(results, args, command.strip(), host)
     print(text)
     if not args.no_record:
-        append_results(text)
+        record_section(text)
 
 
 if __name__ == "__main__":
