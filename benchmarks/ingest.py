@@ -1,6 +1,6 @@
 """Benchmark `journeys ingest` against the same job written in DuckDB SQL and in pandas.
 
-The job, identical for every engine (the product's rules, CONTRACT.md sections 2-3):
+The job, identical for every engine (the product's rules, docs/contract.md, ingest and journeys):
 
 - read the raw CSV with every column as text; parse timestamps (ISO 8601) to UTC;
 - quarantine rows missing `user_id` / `event_type` or with an unparseable timestamp

@@ -19,8 +19,8 @@ Usage::
     .venv/bin/python benchmarks/load.py --events 5000000   # scaled down
     .venv/bin/python benchmarks/load.py --events 200000 --no-record   # smoke run
 
-Data live under data/bench/load/; results are appended to benchmarks/RESULTS.md under
-"## Load (issue 7)" unless `--no-record`.
+Data live under data/bench/load/; the run replaces the "## Load" section of
+benchmarks/RESULTS.md unless `--no-record`.
 """
 
 from __future__ import annotations
@@ -215,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def record(args: argparse.Namespace, summary: dict, report: dict) -> None:
-    """Append the run to benchmarks/RESULTS.md under "## Load (issue 7)"."""
+    """Replace the "## Load" section of benchmarks/RESULTS.md with this run."""
     import torch
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.recording import record_section
 
     command = "python benchmarks/load.py" + (
         f" --events {args.events}" if args.events != DEFAULT_EVENTS else ""
@@ -226,11 +230,8 @@ def record(args: argparse.Namespace, summary: dict, report: dict) -> None:
         f"(shared, load average {os.getloadavg()[0]:.1f} at the end), no GPU; "
         f"Python {platform.python_version()}, torch {torch.__version__}"
     )
-    lines = []
-    if "## Load (issue 7)" not in RESULTS.read_text():
-        lines += ["", "## Load (issue 7)", ""]
-    lines += [
-        f"### {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {summary['events']:,} events",
+    lines = [
+        f"## Load ({datetime.now(UTC):%Y-%m-%d})",
         "",
         f"- Command: `{command}`",
         f"- Machine: {machine}",
@@ -253,8 +254,7 @@ def record(args: argparse.Namespace, summary: dict, report: dict) -> None:
         f"dropped by config {report['dropped_by_config']:,}",
         "",
     ]
-    with RESULTS.open("a") as handle:
-        handle.write("\n".join(lines) + "\n")
+    record_section("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

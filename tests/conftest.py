@@ -1,6 +1,6 @@
 """Shared test fixtures: tiny journeys datasets and an isolated MLflow store.
 
-`make_journeys_dataset` writes a journeys folder in the ingest schema (CONTRACT §3) from
+`make_journeys_dataset` writes a journeys folder in the ingest schema (docs/contract.md, journeys) from
 random journeys with a learnable signal, so training tests need neither the simulator
 nor ingest. Runs in well under a second for a few hundred journeys.
 """

@@ -4,7 +4,7 @@ Every test here injects the real fault: a SIGKILL of the real CLI in a child pro
 random bytes and wrong encodings fed to `journeys ingest`, truncated Parquet, a user
 with a million events, an unreachable MLflow server, two ingests racing on one folder.
 Data are tiny so the whole file runs in a few minutes on a loaded 2-core machine.
-RELIABILITY.md maps each fault to the test that proves what the product does.
+docs/reliability.md maps each fault to the test that proves what the product does.
 """
 
 from __future__ import annotations

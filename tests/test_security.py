@@ -1,7 +1,7 @@
 """Security: servers bind to loopback, models never unpickle, data cannot steer writes
 outside the configured paths, and credentials stay out of logs and MLflow (issue 7).
 
-RELIABILITY.md maps each threat to the test here that covers it.
+docs/reliability.md maps each threat to the test here that covers it.
 """
 
 from __future__ import annotations
