@@ -10,6 +10,7 @@ the key and the size and mtime of every output file; no matching marker, no cach
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import json
@@ -21,6 +22,7 @@ from journeys.config import Config
 
 CHUNK = 1 << 20
 MARKER = ".{name}.flow-cache.json"
+TRAIN_RECORD = ".flow-cache-train.json"  # in paths.checkpoints: cache key -> MLflow run
 
 
 def _hasher() -> hashlib.blake2b:
@@ -74,6 +76,40 @@ def code_digest(*modules: str) -> str:
         if origin and Path(origin).is_file():
             digest.update(Path(origin).read_bytes())
     return digest.hexdigest()
+
+
+def library_code(*entries: str, package: str = "journeys") -> tuple[str, ...]:
+    """Every module of `package` the entry modules run: what they import, directly or not,
+    at module level or inside functions, and modules they load by file name (a string
+    `"<module>.py"`, e.g. the MLflow model-from-code file). Read from the source, so a
+    stage's code list cannot go stale when the library is reorganised.
+    """
+    spec = importlib.util.find_spec(package)
+    assert spec and spec.submodule_search_locations, package
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = {f"{package}.{path.stem}": path for path in folder.glob("*.py")}
+    files.pop(f"{package}.__init__", None)
+    seen: set[str] = set()
+    todo = list(entries)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in files:
+            continue
+        seen.add(name)
+        todo.extend(_library_references(files[name], package, files))
+    return tuple(sorted(seen))
+
+
+def _library_references(path: Path, package: str, modules: dict[str, Path]) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Constant) and str(node.value).endswith(".py"):
+            found.add(f"{package}.{Path(str(node.value)).stem}")  # loaded by file name
+    return {name for name in found if name in modules}
 
 
 def _text_digest(text: str) -> str:
@@ -135,3 +171,43 @@ def outputs_match(key: str, *outputs: str | Path) -> bool:
         if not files or files != marker.get("files"):
             return False
     return True
+
+
+# ----------------------------------------------------------------------------- training
+# A training's outputs live in MLflow, not on disk: a record beside the checkpoints ties
+# each cache key to the run (and model version) it produced.
+
+
+def _train_record(config: Config) -> Path:
+    return Path(config.paths.checkpoints) / TRAIN_RECORD
+
+
+def train_outputs_exist(config: Config, key: str) -> bool:
+    """The MLflow run a cached training produced is still there (and its model version)."""
+    from mlflow import MlflowClient
+
+    from journeys.tracking import tracking_uri
+
+    try:
+        record = json.loads(_train_record(config).read_text())[key]
+        client = MlflowClient(tracking_uri=tracking_uri(config))
+        if client.get_run(record["run_id"]).info.lifecycle_stage != "active":
+            return False
+        if record.get("model_version"):
+            client.get_model_version(config.mlflow.registered_model, str(record["model_version"]))
+        return True
+    except Exception:  # no record, no run, no store: train again
+        return False
+
+
+def remember_training(config: Config, key: str, summary: dict[str, Any]) -> None:
+    """Record the run (and model version) the training under `key` produced."""
+    from journeys.storage import write_json
+
+    path = _train_record(config)
+    try:
+        records = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        records = {}
+    records[key] = {"run_id": summary["run_id"], "model_version": summary["model_version"]}
+    write_json(records, path)

@@ -18,11 +18,12 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
@@ -30,6 +31,7 @@ from prefect.schedules import Cron
 from flows.pipeline import ingest_flow, pipeline_flow, score_flow, train_flow
 from journeys.config import Config
 from journeys.errors import JourneysError
+from journeys.processes import stop_group
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
@@ -82,37 +84,48 @@ def _answers(api_url: str) -> bool:
 
 @contextlib.contextmanager
 def prefect_server() -> Iterator[str]:
-    """The API URL of a Prefect server with a scheduler, started here if none is running."""
+    """The API URL of a Prefect server with a scheduler, started here if none is running.
+
+    A server started here runs in its own process group, its log in a temporary file (a
+    pipe nobody reads would fill and stall it); leaving the block, on Ctrl+C or SIGTERM
+    too, stops the whole group (`journeys.processes.stop_group`): nothing is left listening.
+    """
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     configured = get_current_settings().api.url
     if configured:
         yield str(configured)
         return
-    process = None
-    if not _answers(LOCAL_API):
-        print("starting a local Prefect server (prefect server start) on 127.0.0.1:4200")
-        command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while not _answers(LOCAL_API):
-            if process.poll() is not None or time.monotonic() > deadline:
-                error = process.stderr.read().decode(errors="replace") if process.stderr else ""
-                process.kill()
-                last = (error.strip().splitlines() or ["no output"])[-1]
-                raise JourneysError(f"the Prefect server did not start: {last}")
-            time.sleep(0.5)
-    os.environ["PREFECT_API_URL"] = LOCAL_API  # for the flow-run processes serve starts
-    try:
-        with temporary_settings({PREFECT_API_URL: LOCAL_API}):
+    if _answers(LOCAL_API):
+        with _local_api(PREFECT_API_URL, temporary_settings):
             yield LOCAL_API
-    finally:
-        if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        return
+    print("starting a local Prefect server (prefect server start) on 127.0.0.1:4200")
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+            while not _answers(LOCAL_API):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    error = log.read().decode(errors="replace")
+                    last = (error.strip().splitlines() or ["no output"])[-1]
+                    raise JourneysError(f"the Prefect server did not start: {last}")
+                time.sleep(0.5)
+            with _local_api(PREFECT_API_URL, temporary_settings):
+                yield LOCAL_API
+        finally:
+            stop_group(process)
+
+
+@contextlib.contextmanager
+def _local_api(setting: Any, temporary_settings: Any) -> Iterator[None]:
+    os.environ["PREFECT_API_URL"] = LOCAL_API  # for the flow-run processes serve starts
+    with temporary_settings({setting: LOCAL_API}):
+        yield
 
 
 def serve_command(config: Config) -> None:

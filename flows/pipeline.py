@@ -8,7 +8,7 @@ Thin by design: every step calls one library function. What Prefect adds:
   recomputation, as long as the outputs of that run are still on disk (see `caching`);
 - scale-out: ingest maps `build_partition` over the user-hash partitions on the configured
   task runner (threads, processes or a Dask cluster); multi-process (DDP) training runs as
-  its own `journeys train` process, never inside the flow process;
+  its own `journeys train` process (supervised: it never outlives the flow's process);
 - run logs, and a Markdown artifact per flow run summarising what it produced;
 - a lock per data folder, so overlapping scheduled runs never write the same outputs.
 
@@ -21,16 +21,14 @@ from __future__ import annotations
 from flows import _env  # noqa: F401  # isort: skip  (environment defaults before Prefect)
 
 import contextlib
-import json
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +42,12 @@ from flows.caching import (
     config_digest,
     digest_files,
     files_under,
+    library_code,
     outputs_match,
+    remember_training,
     stage_key,
     task_key,
+    train_outputs_exist,
     write_marker,
 )
 from flows.settings import (
@@ -56,19 +57,20 @@ from flows.settings import (
     resolve_config,
 )
 from journeys import ingest as ingest_lib
+from journeys import tracking
 from journeys.config import Config
-from journeys.datasets import PART_FILE
 from journeys.errors import InputError, JourneysError
 from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
-from journeys.storage import scratch_dir
+from journeys.processes import run_supervised
 
-INGEST_CODE = ("journeys.ingest", "journeys.events", "journeys.vocab", "journeys.storage")
-TRAIN_CODE = (
-    "journeys.train", "journeys.model", "journeys.data", "journeys.baselines",
-    "journeys.packaging", "journeys.metrics", "journeys.tracking", "journeys.pyfunc_model",
-)  # fmt: skip
-SCORE_CODE = ("journeys.score", "journeys.packaging", "journeys.data", "journeys.model")
-ATTRIBUTION_CODE = ("journeys.attribution",)
+# The library module each stage calls; the code hashed into its cache key is every module
+# that one runs (`library_code`: imports read from the source, so never out of date).
+STAGE_ENTRY = {
+    "ingest": "journeys.ingest",
+    "train": "journeys.train",  # + journeys.tracking for its summary (train imports it)
+    "score": "journeys.score",
+    "attribution": "journeys.attribution",
+}
 INGEST_CONFIG = ("paths.raw", "paths.journeys", "paths.quarantine", "data", "journey", "split",
                  "ingest", "vocab")  # fmt: skip
 TRAIN_CONFIG = ("paths.journeys", "paths.checkpoints", "data", "journey", "split", "vocab",
@@ -77,9 +79,9 @@ SCORE_CONFIG = ("paths.journeys", "paths.scores", "data", "journey", "score")
 # Attribution settings may live in any section: hash all but those that cannot matter.
 NOT_ATTRIBUTION = ("simulate", "schedule", "orchestration", "model", "train", "ingest")
 CREDIT_ROWS = 30  # touchpoints shown in the attribution artifact
-TRAIN_RECORD = ".flow-cache-train.json"  # in paths.checkpoints: cache key -> MLflow run
 MULTI_PROCESS = ("ddp", "fsdp", "deepspeed")  # Lightning strategies that launch processes
 TQDM_UPDATE = re.compile(r"\d+/\d+ \[.*(it/s|s/it)")
+PARTITION_RETRIED = "(a partition task: failed after its own retries)"  # exception note
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -87,14 +89,12 @@ TQDM_UPDATE = re.compile(r"\d+/\d+ \[.*(it/s|s/it)")
 
 def stage_inputs(stage: str, config: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(config entries, library modules) a stage's result depends on."""
+    code = library_code(STAGE_ENTRY[stage])
     if stage == "attribution":
         sections = tuple(name for name in type(config).model_fields if name not in NOT_ATTRIBUTION)
-        return (*sections, "paths.reports", "paths.scores"), ATTRIBUTION_CODE
-    return {
-        "ingest": (INGEST_CONFIG, INGEST_CODE),
-        "train": (TRAIN_CONFIG, TRAIN_CODE),
-        "score": (SCORE_CONFIG, SCORE_CODE),
-    }[stage]
+        return (*sections, "paths.reports", "paths.scores"), code
+    config_entries = {"ingest": INGEST_CONFIG, "train": TRAIN_CONFIG, "score": SCORE_CONFIG}
+    return config_entries[stage], code
 
 
 def _retry_unless_bad_input(_task: Any, _task_run: Any, state: State) -> bool:
@@ -113,17 +113,6 @@ def _configured(task_: Any, settings: Orchestration, **options: Any) -> Any:
     return task_.with_options(**{**defaults, **options})
 
 
-def _call_cached(
-    task_: Any, settings: Orchestration, fresh: bool, retries: int | None = None, **kwargs: Any
-) -> tuple[Any, bool]:
-    """Run a content-cached task; a hit only when caching is on and outputs are intact."""
-    options: dict[str, Any] = {"refresh_cache": not (settings.cache and fresh)}
-    if retries is not None:
-        options["retries"] = retries
-    state = _configured(task_, settings, **options)(**kwargs, return_state=True)
-    return state.result(), state.name == "Cached"
-
-
 @contextlib.contextmanager
 def _stage_lock(config: Config, stage: str) -> Iterator[None]:
     settings = orchestration(config)
@@ -132,6 +121,47 @@ def _stage_lock(config: Config, stage: str) -> Iterator[None]:
         lock_path(config), f"journeys {stage}", settings.lock_timeout_s, on_wait=logger.info
     ):
         yield
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """What a cached stage's key hashes besides config and code, looked up under its lock."""
+
+    files: list[Path]
+    extra: list[str] = field(default_factory=list)  # more key parts: a store, a model version
+    arguments: dict[str, Any] = field(default_factory=dict)  # more task arguments
+
+
+def cached_stage(
+    stage: str,
+    config: Config,
+    task_: Any,
+    inputs: Callable[[], StageInputs],
+    fresh: Callable[[str], bool],
+    markdown: Callable[[dict[str, Any]], str],
+    description: str,
+    task_options: dict[str, Any] | None = None,
+    on_cached: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One stage flow: under the data folder's lock, fingerprint the inputs and run the task
+    (a cache hit when `fresh(key)`: its outputs are intact); then its Markdown artifact.
+
+    Returns the task's result and `cached`; `on_cached` refreshes a cached result;
+    `task_options` override the configured retries and timeout.
+    """
+    settings = orchestration(config)
+    with _stage_lock(config, stage):
+        found = inputs()
+        key = fingerprint_task(stage, config, found.files, found.extra)
+        # A cache hit only when caching is on and the outputs are intact.
+        options = {"refresh_cache": not (settings.cache and fresh(key)), **(task_options or {})}
+        run = _configured(task_, settings, **options)
+        state = run(config=config, key=key, **found.arguments, return_state=True)
+        result, cached = state.result(), state.name == "Cached"
+        if cached and on_cached is not None:
+            result = on_cached(result)
+    create_markdown_artifact(markdown(result), key=f"journeys-{stage}", description=description)
+    return {**result, "cached": cached}
 
 
 # ----------------------------------------------------------------------------- simulate
@@ -172,36 +202,52 @@ def simulate_task(config: Config) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- ingest
 
 
-@task(name="stage")
-def stage_task(config: Config, folder: Path) -> ingest_lib.Staged:
-    """Pass 1: every raw row once, into user-hash partitions or quarantine."""
-    staged = ingest_lib.stage(config, folder)
-    get_run_logger().info(
-        "staged %s rows from %d file(s) into %d partition(s)",
-        f"{staged.rows_read:,}",
-        len(staged.sources),
-        len(staged.partitions),
-    )
-    return staged
-
-
 @task(name="build-partition", task_run_name="build-partition-{index}")
 def build_partition_task(
-    partition: Path | None, config: Config, out: Path, index: int
+    build: ingest_lib.PartitionBuilder, partition: Path | None, index: int
 ) -> ingest_lib.PartitionResult:
-    """Pass 2 for one partition: de-duplicate, sort, sessionise, label."""
-    return ingest_lib.build_partition(partition, config, out)
+    """Pass 2 of ingest for one partition: de-duplicate, sort, sessionise, label."""
+    return build(partition)
 
 
-@task(name="finish")
-def finish_task(
-    config: Config, staged: ingest_lib.Staged, parts: list[ingest_lib.PartitionResult]
-) -> dict[str, Any]:
-    """Pass 3: censoring, split, vocabularies; outputs swapped in atomically."""
-    result = ingest_lib.finish(
-        config, staged, parts, Path(config.paths.journeys), Path(config.paths.quarantine)
-    )
-    return result.report
+def partitions_as_tasks(settings: Orchestration) -> ingest_lib.MapPartitions:
+    """`run_ingest`'s pass 2 as one task per partition on the configured task runner."""
+
+    def map_partitions(
+        build: ingest_lib.PartitionBuilder, partitions: list[Path | None]
+    ) -> list[ingest_lib.PartitionResult]:
+        get_run_logger().info("building %d partition(s)", len(partitions))
+        # No per-partition timeout: a worker thread cannot be interrupted; the ingest
+        # task's own timeout bounds the whole stage.
+        task_ = _configured(build_partition_task, settings, timeout_seconds=None)
+        with make_task_runner(settings) as runner:
+            futures = runner.map(
+                task_,
+                {
+                    "build": unmapped(build),
+                    "partition": partitions,
+                    "index": list(range(len(partitions))),
+                },
+            )
+            try:
+                return [future.result() for future in futures]
+            except Exception as err:
+                if not isinstance(err, JourneysError):  # never retried: nothing to note
+                    err.add_note(PARTITION_RETRIED)
+                raise
+
+    return map_partitions
+
+
+def _retry_ingest(task_: Any, task_run: Any, state: State) -> bool:
+    """The ingest task retries what its stage or finish pass met, never its own timeout
+    or a partition's error (partitions retry on their own): retrying the whole would
+    multiply the attempts."""
+    error = state.result(raise_on_failure=False)
+    timed_out = type(error).__name__ == "TaskRunTimeoutError"
+    if timed_out or PARTITION_RETRIED in getattr(error, "__notes__", ()):
+        return False
+    return _retry_unless_bad_input(task_, task_run, state)
 
 
 @task(name="fingerprint", task_run_name="fingerprint-{stage}")
@@ -231,31 +277,18 @@ def fingerprint_task(
 @task(name="ingest", cache_key_fn=task_key, persist_result=True, result_serializer="json")
 def ingest_task(config: Config, key: str) -> dict[str, Any]:
     """The three ingest passes, pass 2 mapped over partitions on the configured runner."""
-    settings = orchestration(config)
-    journeys, quarantine = Path(config.paths.journeys), Path(config.paths.quarantine)
-    with scratch_dir(journeys.parent, "ingest") as scratch:
-        staged = _configured(stage_task, settings)(config, scratch / "staged")
-        partitions = staged.partitions or [None]
-        built = scratch / "built"
-        built.mkdir()
-        outs = [built / PART_FILE.format(i) for i in range(len(partitions))]
-        with make_task_runner(settings) as runner:
-            # No per-partition timeout: a worker thread cannot be interrupted; the
-            # ingest task's own timeout bounds the whole stage.
-            futures = runner.map(
-                _configured(build_partition_task, settings, timeout_seconds=None),
-                {
-                    "partition": partitions,
-                    "config": unmapped(config),
-                    "out": outs,
-                    "index": list(range(len(partitions))),
-                },
-            )
-            parts = [future.result() for future in futures]
-        report = _configured(finish_task, settings)(config, staged, parts)
-    write_marker(journeys, key)
-    write_marker(quarantine, key)
-    return report
+    result = ingest_lib.run_ingest(
+        config, map_partitions=partitions_as_tasks(orchestration(config))
+    )
+    get_run_logger().info(
+        "ingested %s rows from %d file(s) in %d partition(s)",
+        f"{result.report['rows_read']:,}",
+        len(result.report["sources"]),
+        result.report["partitions"],
+    )
+    write_marker(config.paths.journeys, key)
+    write_marker(config.paths.quarantine, key)
+    return result.report
 
 
 @flow(name="ingest")
@@ -268,20 +301,17 @@ def ingest_flow(
     from journeys.events import resolve_sources
 
     config = resolve_config(config, config_file, overrides)
-    settings = orchestration(config)
-    with _stage_lock(config, "ingest"):
-        key = fingerprint_task("ingest", config, resolve_sources(config.paths.raw))
-        fresh = outputs_match(key, config.paths.journeys, config.paths.quarantine)
-        # Its passes retry on their own: retrying the whole would multiply the attempts.
-        report, cached = _call_cached(
-            ingest_task, settings, fresh, retries=0, config=config, key=key
-        )
-    create_markdown_artifact(
-        text.ingest_markdown(report, config.paths.journeys, config.paths.quarantine),
-        key="journeys-ingest",
+    paths = config.paths
+    return cached_stage(
+        "ingest",
+        config,
+        ingest_task,
+        inputs=lambda: StageInputs(resolve_sources(paths.raw)),
+        fresh=lambda key: outputs_match(key, paths.journeys, paths.quarantine),
+        markdown=lambda report: text.ingest_markdown(report, paths.journeys, paths.quarantine),
         description="Ingest report",
+        task_options={"retry_condition_fn": _retry_ingest},
     )
-    return {**report, "cached": cached}
 
 
 # ----------------------------------------------------------------------------- train
@@ -307,23 +337,23 @@ def needs_own_process(config: Config) -> bool:
 
 def _resumable(config: Config) -> bool:
     """An interrupted training left checkpoints `journeys train --resume` can continue."""
-    from journeys.train import STATE_FILE
+    from journeys.train import read_state
 
     try:
-        state = json.loads((Path(config.paths.checkpoints) / STATE_FILE).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return read_state(Path(config.paths.checkpoints)).get("status") == "training"
+    except JourneysError:  # no state, or an unreadable one
         return False
-    return state.get("status") == "training"
 
 
 def train_in_subprocess(config: Config, resume: bool, timeout: float) -> str:
-    """`python -m journeys.cli train` in its own process (own session); returns its run id.
+    """`python -m journeys.cli train` in its own process group, supervised (stopped with
+    this process, or on the timeout); returns its run id.
 
     The resolved config goes to the child as a YAML file; its output goes to the run log.
     """
     import yaml
 
-    from journeys.train import STATE_FILE
+    from journeys.train import read_state
 
     logger = get_run_logger()
     root = Path(config.paths.checkpoints)
@@ -337,110 +367,29 @@ def train_in_subprocess(config: Config, resume: bool, timeout: float) -> str:
     # The flow holds the data folder's lock for this stage; the child must not wait for it.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", HELD_ENV: str(lock_path(config))}
     last = ""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
+
+    def log_line(line: str) -> None:
+        nonlocal last
+        line = line.rstrip()
+        if line and (not TQDM_UPDATE.search(line) or "100%" in line):
+            logger.info(line)
+            last = line
+
     try:
-        deadline = time.monotonic() + timeout
-        assert process.stdout is not None
-        for line in process.stdout:
-            line = line.rstrip()
-            if line and (not TQDM_UPDATE.search(line) or "100%" in line):
-                logger.info(line)
-                last = line
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"training took longer than {timeout:.0f} s")
-        code = process.wait()
+        code = run_supervised(command, env, timeout, log_line)
     finally:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
         Path(handle.name).unlink(missing_ok=True)
     if code == 2:
         raise JourneysError(last.split("error: ", 1)[-1] or "journeys train: bad input")
     if code != 0:
         raise RuntimeError(f"journeys train exited with code {code}: {last}")
-    return json.loads((root / STATE_FILE).read_text())["run_id"]
+    return read_state(root)["run_id"]
 
 
 def train_summary(config: Config, run_id: str) -> dict[str, Any]:
     """The transformer run, its baselines and the champion, read back from MLflow."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    from journeys import tracking
-
     uri = tracking.tracking_uri(config)
-    client = MlflowClient(tracking_uri=uri)
-    run = client.get_run(run_id)
-    name = config.mlflow.registered_model
-    version = run.data.tags.get(tracking.REGISTERED_VERSION_TAG, "").rpartition("/")[2] or None
-    try:
-        champion = int(client.get_model_version_by_alias(name, tracking.CHAMPION_ALIAS).version)
-    except MlflowException:
-        champion = None
-    baselines = client.search_runs(
-        [run.info.experiment_id],
-        filter_string=f"tags.{tracking.COMPARISON_GROUP_TAG} = '{run_id}'",
-    )
-    return {
-        "run_id": run_id,
-        "experiment_id": run.info.experiment_id,
-        "tracking_uri": uri,
-        "registered_model": name,
-        "model_version": int(version) if version else None,
-        "champion_version": champion,
-        "promoted": run.data.tags.get(tracking.CHAMPION_DECISION_TAG) == "promoted",
-        "metrics": dict(run.data.metrics),
-        "baselines": {
-            r.data.tags[tracking.MODEL_FAMILY_TAG].removeprefix("baseline_"): {
-                "run_id": r.info.run_id,
-                "metrics": dict(r.data.metrics),
-            }
-            for r in baselines
-            if r.data.tags.get(tracking.MODEL_FAMILY_TAG, "").startswith("baseline_")
-        },
-    }
-
-
-def _train_record(config: Config) -> Path:
-    return Path(config.paths.checkpoints) / TRAIN_RECORD
-
-
-def train_outputs_exist(config: Config, key: str) -> bool:
-    """The MLflow run a cached training produced is still there (and its model version)."""
-    from mlflow import MlflowClient
-
-    from journeys import tracking
-
-    try:
-        record = json.loads(_train_record(config).read_text())[key]
-        client = MlflowClient(tracking_uri=tracking.tracking_uri(config))
-        if client.get_run(record["run_id"]).info.lifecycle_stage != "active":
-            return False
-        if record.get("model_version"):
-            client.get_model_version(config.mlflow.registered_model, str(record["model_version"]))
-        return True
-    except Exception:  # no record, no run, no store: train again
-        return False
-
-
-def _remember_training(config: Config, key: str, summary: dict[str, Any]) -> None:
-    from journeys.storage import write_json
-
-    path = _train_record(config)
-    try:
-        records = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        records = {}
-    records[key] = {"run_id": summary["run_id"], "model_version": summary["model_version"]}
-    write_json(records, path)
+    return tracking.training_summary(uri, run_id, config.mlflow.registered_model)
 
 
 @task(name="train", cache_key_fn=task_key, persist_result=True, result_serializer="json")
@@ -462,7 +411,7 @@ def train_task(config: Config, key: str) -> dict[str, Any]:
         assert result is not None  # rank 0 in a single process
         run_id = result.run_id
     summary = train_summary(config, run_id)
-    _remember_training(config, key, summary)
+    remember_training(config, key, summary)
     return summary
 
 
@@ -473,43 +422,22 @@ def train_flow(
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Train, compare with the baselines, register; cached on the journeys' content."""
-    from journeys import tracking
-
     config = resolve_config(config, config_file, overrides)
-    settings = orchestration(config)
-    with _stage_lock(config, "train"):
-        uri = tracking.tracking_uri(config)
-        key = fingerprint_task("train", config, files_under(config.paths.journeys), [uri])
-        fresh = train_outputs_exist(config, key)
-        summary, cached = _call_cached(train_task, settings, fresh, config=config, key=key)
-        if cached:  # the champion may have moved since that training
-            summary = train_summary(config, summary["run_id"])
-    create_markdown_artifact(
-        text.train_markdown(summary), key="journeys-train", description="Training run"
+    uri = tracking.tracking_uri(config)
+    return cached_stage(
+        "train",
+        config,
+        train_task,
+        inputs=lambda: StageInputs(files_under(config.paths.journeys), [uri]),
+        fresh=lambda key: train_outputs_exist(config, key),
+        markdown=text.train_markdown,
+        description="Training run",
+        # the champion may have moved since that training
+        on_cached=lambda summary: train_summary(config, summary["run_id"]),
     )
-    return {**summary, "cached": cached}
 
 
 # ----------------------------------------------------------------------------- score
-
-
-def champion_uri(config: Config) -> tuple[str, str]:
-    """The champion as a pinned `models:/<name>/<version>` URI (and its run id)."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    from journeys import tracking
-
-    name = config.mlflow.registered_model
-    uri = tracking.tracking_uri(config)
-    if not tracking.tracking_ready(uri):  # never create an empty store just to find no model
-        raise InputError(f"no MLflow store at {uri}: train first")
-    client = MlflowClient(tracking_uri=uri)
-    try:
-        version = client.get_model_version_by_alias(name, tracking.CHAMPION_ALIAS)
-    except MlflowException:
-        raise InputError(f"no champion version of model {name!r}: train first") from None
-    return f"models:/{name}/{version.version}", version.run_id or ""
 
 
 @task(name="score", cache_key_fn=task_key, persist_result=True, result_serializer="json")
@@ -538,21 +466,25 @@ def score_flow(
 ) -> dict[str, Any]:
     """Score the journeys with the champion (then the attribution report, by default)."""
     config = resolve_config(config, config_file, overrides)
-    settings = orchestration(config)
-    with _stage_lock(config, "score"):
-        model_uri, run_id = champion_uri(config)
+
+    def inputs() -> StageInputs:  # the champion now, pinned to its version
+        uri = tracking.tracking_uri(config)
+        model_uri, run_id = tracking.champion_uri(uri, config.mlflow.registered_model)
         files = files_under(config.paths.journeys)
-        key = fingerprint_task("score", config, files, [model_uri, run_id])
-        fresh = outputs_match(key, config.paths.scores)
-        scored, cached = _call_cached(
-            score_task, settings, fresh, config=config, key=key, model_uri=model_uri
-        )
-    create_markdown_artifact(
-        text.score_markdown(scored), key="journeys-score", description="Scoring run"
+        return StageInputs(files, [model_uri, run_id], {"model_uri": model_uri})
+
+    scored = cached_stage(
+        "score",
+        config,
+        score_task,
+        inputs=inputs,
+        fresh=lambda key: outputs_match(key, config.paths.scores),
+        markdown=text.score_markdown,
+        description="Scoring run",
     )
     if attribute:
         attribution_flow(config=config)
-    return {**scored, "cached": cached}
+    return scored
 
 
 # ----------------------------------------------------------------------------- attribution
@@ -581,17 +513,15 @@ def attribution_flow(
 ) -> dict[str, Any]:
     """Scores -> the attribution report in `paths.reports` (cached on the scores' content)."""
     config = resolve_config(config, config_file, overrides)
-    settings = orchestration(config)
-    with _stage_lock(config, "attribution"):
-        key = fingerprint_task("attribution", config, files_under(config.paths.scores))
-        fresh = outputs_match(key, config.paths.reports)
-        report, cached = _call_cached(attribution_task, settings, fresh, config=config, key=key)
-    create_markdown_artifact(
-        text.attribution_markdown(report),
-        key="journeys-attribution",
+    return cached_stage(
+        "attribution",
+        config,
+        attribution_task,
+        inputs=lambda: StageInputs(files_under(config.paths.scores)),
+        fresh=lambda key: outputs_match(key, config.paths.reports),
+        markdown=text.attribution_markdown,
         description="Attribution report",
     )
-    return {**report, "cached": cached}
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -534,13 +535,43 @@ def make_report(
     return json.loads(json.dumps(report, default=str))
 
 
+PartitionBuilder = Callable[[Path | None], PartitionResult]
+# Runs the builder over the partitions, results in the partitions' order.
+MapPartitions = Callable[[PartitionBuilder, list[Path | None]], list[PartitionResult]]
+
+
+@dataclass(frozen=True)
+class BuildPartition:
+    """Pass 2 for one partition, its output named by the partition's position.
+
+    A plain picklable object, so a task runner can ship it to worker processes.
+    """
+
+    config: Config
+    outputs: dict[Path | None, Path]
+
+    def __call__(self, partition: Path | None) -> PartitionResult:
+        return build_partition(partition, self.config, self.outputs[partition])
+
+
+def map_in_order(build: PartitionBuilder, partitions: list[Path | None]) -> list[PartitionResult]:
+    """The default `map_partitions`: one partition after the other, in this process."""
+    return [build(partition) for partition in partitions]
+
+
 def run_ingest(
     config: Config,
     raw: str | Path | None = None,
     journeys_folder: str | Path | None = None,
     quarantine_folder: str | Path | None = None,
+    map_partitions: MapPartitions | None = None,
 ) -> IngestResult:
-    """`journeys ingest` as a function: all three passes, outputs written atomically."""
+    """`journeys ingest` as a function: all three passes, outputs written atomically.
+
+    `map_partitions(build, partitions)` runs pass 2 (default `map_in_order`); the flow
+    maps `build` over the partitions as tasks on its task runner. The result does not
+    depend on how, as long as the results come back in the partitions' order.
+    """
     journeys_folder = Path(journeys_folder or config.paths.journeys)
     quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
     with scratch_dir(journeys_folder.parent, "ingest") as scratch:
@@ -549,10 +580,11 @@ def run_ingest(
         warn_unmatched_event_map(config, staged)
         built = scratch / "built"
         built.mkdir()
-        parts = [
-            build_partition(partition, config, built / PART_FILE.format(i))
-            for i, partition in enumerate(staged.partitions or [None])
-        ]
+        partitions: list[Path | None] = list(staged.partitions) or [None]
+        outputs = {p: built / PART_FILE.format(i) for i, p in enumerate(partitions)}
+        parts = (map_partitions or map_in_order)(BuildPartition(config, outputs), partitions)
+        if len(parts) != len(partitions):
+            raise AssertionError(f"{len(parts)} results for {len(partitions)} partitions")
         return finish(config, staged, parts, journeys_folder, quarantine_folder)
 
 

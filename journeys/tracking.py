@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -25,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from journeys.config import Config, redact_uri
 from journeys.datasets import REPORT_FILE
-from journeys.errors import JourneysError
+from journeys.errors import InputError, JourneysError
+from journeys.processes import run_supervised
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+    from mlflow.entities.model_registry import ModelVersion
 
 CHAMPION_ALIAS = "champion"
 # Tags the product sets on runs and model versions, and reads back (flows, summaries).
@@ -203,7 +204,7 @@ class Registration:
     """The outcome of registering one model version."""
 
     version: int
-    champion_version: int
+    champion_version: int | None  # None: no champion yet (a degenerate first evaluation)
     promoted: bool
     reason: str
 
@@ -238,7 +239,11 @@ def register_model(
     except MlflowException:
         champion = None
 
-    if champion is None:
+    if not math.isfinite(test_roc_auc):
+        # A degenerate evaluation (no AUC) never moves the alias, not even to a first model.
+        promoted = False
+        reason = f"test_roc_auc is {test_roc_auc}: not a champion"
+    elif champion is None:
         promoted, reason = True, f"first champion (test_roc_auc {test_roc_auc:.4f})"
     else:
         best = _version_roc_auc(client, champion)
@@ -250,7 +255,7 @@ def register_model(
         )
     if promoted:
         client.set_registered_model_alias(name, CHAMPION_ALIAS, str(new))
-    champion_version = new if promoted else int(champion.version)
+    champion_version = new if promoted else (int(champion.version) if champion else None)
 
     decision = "promoted" if promoted else "kept_previous"
     for key, value in {CHAMPION_DECISION_TAG: decision, CHAMPION_REASON_TAG: reason}.items():
@@ -260,11 +265,74 @@ def register_model(
     return Registration(new, champion_version, promoted, reason)
 
 
+def champion_version(uri: str, name: str) -> ModelVersion | None:
+    """The version of model `name` the `champion` alias points at (None: no such model,
+    no champion). Never creates a store: one that does not exist yet has no champion."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    if not tracking_ready(uri):
+        return None
+    try:
+        return MlflowClient(tracking_uri=uri).get_model_version_by_alias(name, CHAMPION_ALIAS)
+    except MlflowException:
+        return None
+
+
+def champion_uri(uri: str, name: str) -> tuple[str, str]:
+    """The champion as a pinned `models:/<name>/<version>` URI, and its run id ("" if none).
+
+    `InputError` (train first) when there is no store or no champion yet.
+    """
+    if not tracking_ready(uri):
+        raise InputError(f"no MLflow store at {redact_uri(uri)}: train first")
+    version = champion_version(uri, name)
+    if version is None:
+        raise InputError(f"no champion version of model {name!r}: train first")
+    return f"models:/{name}/{version.version}", version.run_id or ""
+
+
+def training_summary(uri: str, run_id: str, registered_model: str) -> dict[str, Any]:
+    """A training run read back from the store: its metrics, its registered version, its
+    baselines' runs and metrics, and the champion now (which may have moved since)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    version = run.data.tags.get(REGISTERED_VERSION_TAG, "").rpartition("/")[2] or None
+    champion = champion_version(uri, registered_model)
+    baselines = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.{COMPARISON_GROUP_TAG} = '{run_id}'"
+    )
+    return {
+        "run_id": run_id,
+        "experiment_id": run.info.experiment_id,
+        "tracking_uri": uri,
+        "registered_model": registered_model,
+        "model_version": int(version) if version else None,
+        "champion_version": int(champion.version) if champion else None,
+        "promoted": run.data.tags.get(CHAMPION_DECISION_TAG) == "promoted",
+        "metrics": dict(run.data.metrics),
+        "baselines": {
+            family.removeprefix("baseline_"): {
+                "run_id": baseline.info.run_id,
+                "metrics": dict(baseline.data.metrics),
+            }
+            for baseline in baselines
+            if (family := baseline.data.tags.get(MODEL_FAMILY_TAG, "")).startswith("baseline_")
+        },
+    }
+
+
 # ----------------------------------------------------------------------------- UI
 
 
 def ui_command(config: Config, host: str = "127.0.0.1", port: int = 5000) -> None:
-    """Run `mlflow ui` on the configured store, bound to 127.0.0.1 unless asked otherwise."""
+    """Run `mlflow ui` on the configured store, bound to 127.0.0.1 unless asked otherwise.
+
+    The server runs supervised: when this command stops (Ctrl+C, SIGTERM), so do the
+    server and its workers, none left listening on the port.
+    """
     uri = tracking_uri(config)
     if uri.startswith(("http://", "https://")):
         print(f"tracking URI {redact_uri(uri)} is a server already: open it in a browser")
@@ -278,6 +346,6 @@ def ui_command(config: Config, host: str = "127.0.0.1", port: int = 5000) -> Non
         **os.environ,
         "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"),
     }
-    returncode = subprocess.run(command, env=env, check=False).returncode
+    returncode = run_supervised(command, env=env)
     if returncode not in (0, -2, 130):  # -2 / 130: stopped with Ctrl+C
         raise JourneysError(f"mlflow ui exited with code {returncode}")

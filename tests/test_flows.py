@@ -267,6 +267,45 @@ def test_a_task_failing_once_is_retried_and_the_flow_succeeds(tmp_path: Path) ->
     assert len(calls) == config.ingest.partitions + 1  # one partition ran twice
 
 
+def test_ingest_retries_each_pass_once_over(tmp_path: Path) -> None:
+    """A failed stage pass retries the ingest task; a partition that failed after its own
+    retries does not (the attempts would multiply)."""
+    from flows.pipeline import ingest_flow
+    from journeys import ingest as ingest_lib
+    from journeys.simulate import simulate
+
+    simulate(tmp_path / "raw", users=40, seed=6)
+    config = tiny_config(tmp_path, "ingest.partitions=1")
+    stage_calls: list[int] = []
+    build_calls: list[int] = []
+    stage = ingest_lib.stage
+
+    def flaky_stage(*args: Any, **kwargs: Any) -> Any:
+        stage_calls.append(1)
+        if len(stage_calls) == 1:
+            raise OSError("transient: network share away")
+        return stage(*args, **kwargs)
+
+    def broken_build(*args: Any, **kwargs: Any) -> Any:
+        build_calls.append(1)
+        raise OSError("disk full")
+
+    with isolated(tmp_path) as mp:
+        orchestrate(mp, retries=1)
+        mp.setattr(ingest_lib, "stage", flaky_stage)
+        assert ingest_flow(config=config)["journeys"] > 0
+        assert len(stage_calls) == 2
+
+        orchestrate(mp, retries=1, cache=False)
+        mp.setattr(ingest_lib, "stage", stage)
+        stage_calls = counting(mp, ingest_lib, "stage")
+        mp.setattr(ingest_lib, "build_partition", broken_build)
+        with pytest.raises(OSError, match="disk full"):
+            ingest_flow(config=config)
+    assert len(build_calls) == 2  # its own try and retry
+    assert len(stage_calls) == 1  # and no retry of the whole
+
+
 def test_bad_input_is_not_retried(tmp_path: Path) -> None:
     from flows.pipeline import ingest_flow
     from journeys import ingest as ingest_lib
@@ -375,8 +414,8 @@ def test_multi_process_training_runs_in_its_own_process(tmp_path: Path) -> None:
     """DDP (2 CPU processes, gloo) through `journeys train` in a subprocess of the flow."""
     from conftest import make_journeys_dataset
 
-    from flows import pipeline
     from flows.pipeline import needs_own_process, train_flow
+    from journeys import processes
 
     assert not needs_own_process(load_config(None, ["train.devices=1"]))
     assert needs_own_process(load_config(None, ["train.devices=2"]))
@@ -393,12 +432,38 @@ def test_multi_process_training_runs_in_its_own_process(tmp_path: Path) -> None:
             commands.append(command)
             return popen(command, *args, **kwargs)
 
-        mp.setattr(pipeline.subprocess, "Popen", spy)
+        mp.setattr(processes.subprocess, "Popen", spy)
         summary = train_flow(config=config)
     assert commands and commands[0][1:4] == ["-m", "journeys.cli", "train"]
     assert summary["model_version"] == summary["champion_version"] == 1
     assert set(summary["baselines"]) == {"logreg", "prior"}
     assert 0 <= summary["metrics"]["test_roc_auc"] <= 1
+
+
+def test_each_stage_hashes_every_library_module_it_runs() -> None:
+    """Read from the imports (lazy ones too) and from modules loaded by file name."""
+    from flows.pipeline import STAGE_ENTRY, stage_inputs
+
+    config = load_config(None, [])
+    code = {stage: set(stage_inputs(stage, config)[1]) for stage in STAGE_ENTRY}
+    runs = {
+        "ingest": "ingest events datasets vocab storage",
+        "train": "train training datasets inference plots model data baselines packaging "
+        "metrics tracking pyfunc_model",
+        "score": "score datasets inference packaging data model metrics",
+        "attribution": "attribution datasets inference plots packaging data model",
+    }
+    for stage, modules in runs.items():
+        assert {f"journeys.{name}" for name in modules.split()} <= code[stage], stage
+    assert not any(
+        name.startswith(("journeys.cli", "journeys.simulate")) for name in code["ingest"]
+    )
+    # What importing the entry module loads is a part (lazy imports come on top).
+    probe = "import sys, journeys.score; print(*[m for m in sys.modules if m[:9] == 'journeys.'])"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert set(done.stdout.split()) <= code["score"]
 
 
 def test_stage_lock_keeps_a_second_writer_out(tmp_path: Path) -> None:

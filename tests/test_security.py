@@ -57,10 +57,10 @@ def test_ui_binds_to_loopback_by_default(monkeypatch: pytest.MonkeyPatch, capsys
 
     def fake_run(command, **kwargs):
         commands.append(command)
-        return subprocess.CompletedProcess(command, 0)
+        return 0
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(tracking.subprocess, "run", fake_run)
+    monkeypatch.setattr(tracking, "run_supervised", fake_run)
     assert main(["ui"]) == 0
     command = commands[-1]
     assert command[command.index("--host") + 1] == "127.0.0.1"
@@ -74,9 +74,7 @@ def test_ui_warns_when_the_user_exposes_it(monkeypatch: pytest.MonkeyPatch, caps
     commands: list[list[str]] = []
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setattr(
-        tracking.subprocess,
-        "run",
-        lambda command, **kw: commands.append(command) or subprocess.CompletedProcess(command, 0),
+        tracking, "run_supervised", lambda command, **kw: commands.append(command) or 0
     )
     assert main(["ui", "--host", "0.0.0.0"]) == 0
     assert commands[-1][commands[-1].index("--host") + 1] == "0.0.0.0"

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from journeys import tracking
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.errors import JourneysError
+from journeys.errors import InputError, JourneysError
 
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
@@ -128,33 +128,36 @@ def test_champion_moves_on_improvement_and_stays_on_regression(mlflow_env) -> No
     def champion() -> int:
         return int(client.get_model_version_by_alias("jc", "champion").version)
 
+    degenerate = register(math.nan)  # no AUC: registered, but never the champion
+    assert (degenerate.promoted, degenerate.champion_version) == (False, None)
+    assert tracking.champion_version(mlflow_env, "jc") is None
     first = register(0.70)
-    assert (first.version, first.promoted, champion()) == (1, True, 1)
+    assert (first.version, first.promoted, champion()) == (2, True, 2)
     better = register(0.80)
-    assert (better.version, better.promoted, champion()) == (2, True, 2)
+    assert (better.version, better.promoted, champion()) == (3, True, 3)
     worse = register(0.75)
-    assert (worse.version, worse.promoted, worse.champion_version, champion()) == (3, False, 2, 2)
+    assert (worse.version, worse.promoted, worse.champion_version, champion()) == (4, False, 3, 3)
     tie = register(0.80)
-    assert not tie.promoted and champion() == 2  # must beat, not equal
+    assert not tie.promoted and champion() == 3  # must beat, not equal
     undefined = register(math.nan)
-    assert not undefined.promoted and champion() == 2
+    assert not undefined.promoted and champion() == 3
 
-    version = client.get_model_version("jc", "3")
+    version = client.get_model_version("jc", "4")
     assert version.tags["champion_decision"] == "kept_previous"
-    assert "0.7500 <= champion v2 (0.8000)" in version.tags["champion_reason"]
+    assert "0.7500 <= champion v3 (0.8000)" in version.tags["champion_reason"]
     assert client.get_run(version.run_id).data.tags["champion_decision"] == "kept_previous"
-    assert client.get_model_version("jc", "2").tags["champion_decision"] == "promoted"
+    assert client.get_model_version("jc", "3").tags["champion_decision"] == "promoted"
 
 
 def test_ui_binds_to_loopback_on_the_configured_store(monkeypatch, capsys) -> None:
-    import subprocess
-
     calls = []
 
     class Done:
         returncode = 0
 
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or Done())
+    monkeypatch.setattr(
+        tracking, "run_supervised", lambda cmd, **kw: calls.append(cmd) or Done.returncode
+    )
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = load_config(None, ["mlflow.tracking_uri=sqlite:///x.db"])
     tracking.ui_command(config, host="127.0.0.1", port=5123)
@@ -171,6 +174,55 @@ def test_ui_binds_to_loopback_on_the_configured_store(monkeypatch, capsys) -> No
     Done.returncode = 1
     with pytest.raises(JourneysError, match="exited with code 1"):
         tracking.ui_command(config)
+
+
+def test_champion_and_training_summary_read_back_from_the_store(mlflow_env, tmp_path) -> None:
+    name = "jc"
+    missing = f"sqlite:///{tmp_path / 'none' / 'mlflow.db'}"
+    assert tracking.champion_version(missing, name) is None
+    with pytest.raises(InputError, match="no MLflow store"):
+        tracking.champion_uri(missing, name)
+    assert not (tmp_path / "none").exists()  # looking never creates a store
+
+    client = MlflowClient(mlflow_env)
+    experiment = tracking.get_experiment_id(mlflow_env, "journeys")
+    with pytest.raises(InputError, match="no champion version of model 'jc'"):
+        tracking.champion_uri(mlflow_env, name)
+
+    run_id = client.create_run(experiment).info.run_id
+    client.log_metric(run_id, "test_roc_auc", 0.7)
+    tags = {tracking.MODEL_FAMILY_TAG: "transformer", tracking.COMPARISON_GROUP_TAG: run_id}
+    tags |= {
+        tracking.REGISTERED_VERSION_TAG: f"{name}/1",
+        tracking.CHAMPION_DECISION_TAG: "promoted",
+    }
+    for key, value in tags.items():
+        client.set_tag(run_id, key, value)
+    baseline = client.create_run(experiment).info.run_id
+    client.log_metric(baseline, "test_roc_auc", 0.6)
+    client.set_tag(baseline, tracking.MODEL_FAMILY_TAG, "baseline_logreg")
+    client.set_tag(baseline, tracking.COMPARISON_GROUP_TAG, run_id)
+    other = client.create_run(experiment).info.run_id  # another training's baseline
+    client.set_tag(other, tracking.MODEL_FAMILY_TAG, "baseline_prior")
+    client.set_tag(other, tracking.COMPARISON_GROUP_TAG, "someone-else")
+    client.create_registered_model(name)
+    client.create_model_version(name, source=str(tmp_path / "model"), run_id=run_id)
+    client.set_registered_model_alias(name, tracking.CHAMPION_ALIAS, "1")
+
+    assert tracking.champion_uri(mlflow_env, name) == (f"models:/{name}/1", run_id)
+    assert tracking.champion_version(mlflow_env, "other") is None
+    summary = tracking.training_summary(mlflow_env, run_id, name)
+    assert summary == {
+        "run_id": run_id,
+        "experiment_id": experiment,
+        "tracking_uri": mlflow_env,
+        "registered_model": name,
+        "model_version": 1,
+        "champion_version": 1,
+        "promoted": True,
+        "metrics": {"test_roc_auc": 0.7},
+        "baselines": {"logreg": {"run_id": baseline, "metrics": {"test_roc_auc": 0.6}}},
+    }
 
 
 def test_ui_on_a_tracking_server_just_points_at_it(monkeypatch, capsys) -> None:
@@ -192,7 +244,10 @@ def test_tracking_module_stays_light() -> None:
     import subprocess
     import sys
 
-    code = "import sys, journeys.tracking; print('mlflow' in sys.modules, 'torch' in sys.modules)"
+    code = (
+        "import sys, journeys.tracking; "
+        "print('mlflow' in sys.modules, 'torch' in sys.modules, 'prefect' in sys.modules)"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -200,4 +255,4 @@ def test_tracking_module_stays_light() -> None:
         cwd=Path(__file__).resolve().parents[1],
         check=True,
     ).stdout
-    assert out.split() == ["False", "False"]
+    assert out.split() == ["False", "False", "False"]

@@ -1,0 +1,205 @@
+"""Child processes that never outlive their supervisor: `run_supervised`.
+
+A supervised command runs in a process group (and session) of its own, so a terminal's
+Ctrl+C or a scheduler's SIGTERM reaches only the supervisor, which then stops the WHOLE
+group, grandchildren included (an `mlflow ui` server and its workers, DDP ranks): SIGTERM
+first, SIGKILL after a grace period. The same happens on a timeout, and when the command
+exits while processes it started are still running.
+
+Standard library only (Linux and macOS: process groups); the flows use it for training in
+its own process, `journeys ui` for the MLflow server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+from typing import IO
+
+GRACE_S = 8.0  # after SIGTERM, before SIGKILL
+KILL_WAIT_S = 2.0  # after SIGKILL, before giving up on a process that will not go
+POLL_S = 0.05
+_END = None  # the reader's last item: the output is closed
+
+
+def run_supervised(
+    command: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    on_line: Callable[[str], None] | None = None,
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    grace: float = GRACE_S,
+) -> int:
+    """Run `command` to its end in a process group of its own; return its exit code.
+
+    With `on_line`, stdout and stderr are merged and each line (without its line end) is
+    passed to it, in the calling thread; without, the child shares this process's output.
+    On a timeout (`TimeoutError`), an exception in the caller (KeyboardInterrupt, the
+    exception a SIGTERM handler raises, an error in `on_line`) or SIGTERM, the whole group
+    is stopped (SIGTERM, SIGKILL after `grace` seconds) before the exception propagates.
+    A process left at default SIGTERM handling exits with 143 (`SystemExit`), not at once.
+    """
+    process = subprocess.Popen(
+        list(command),
+        env=None if env is None else dict(env),
+        cwd=cwd,
+        stdout=subprocess.PIPE if on_line else None,
+        stderr=subprocess.STDOUT if on_line else None,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # own session and process group: pgid == pid
+    )
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _sigterm_raises():  # also while stopping: a second SIGTERM must not cut it short
+        try:
+            if on_line is not None:
+                assert process.stdout is not None
+                _stream(process.stdout, on_line, deadline)
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            code = process.wait(remaining)
+        except subprocess.TimeoutExpired:
+            stop_group(process, grace)
+            raise TimeoutError(f"{shlex.join(command)} ran longer than {timeout:g} s") from None
+        except BaseException:
+            stop_group(process, grace)
+            raise
+        stop_group(process, grace)  # what it started and left running
+    return code
+
+
+def stop_group(process: subprocess.Popen, grace: float = GRACE_S) -> None:
+    """Stop every process of the group `process` leads (SIGTERM, then SIGKILL); bounded.
+
+    A signal or KeyboardInterrupt arriving meanwhile does not cut the clean-up short: it
+    is raised once the group is gone.
+    """
+    stop_at = time.monotonic() + grace
+    give_up_at = stop_at + KILL_WAIT_S
+    pending: BaseException | None = None
+    sent: set[int] = set()
+    while True:
+        try:
+            _stop_group(process, stop_at, give_up_at, sent)
+            break
+        except BaseException as err:  # a second Ctrl+C or SIGTERM: finish first
+            pending = pending or err
+    if pending is not None:
+        raise pending
+
+
+def _stop_group(process: subprocess.Popen, stop_at: float, give_up_at: float, sent: set) -> None:
+    while _group_alive(process):
+        now = time.monotonic()
+        signum = signal.SIGTERM if now < stop_at else signal.SIGKILL
+        if now >= give_up_at:
+            return  # not even SIGKILL helped (e.g. uninterruptible I/O): stop waiting
+        if signum not in sent:
+            sent.add(signum)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signum)
+        time.sleep(POLL_S)
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    """Some process of the group still runs (the leader is reaped here, so not a zombie)."""
+    process.poll()
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return process.returncode is None or _members_running(process.pid)
+
+
+def _members_running(pgid: int) -> bool:
+    """Whether any member of group `pgid` is not a zombie (where /proc tells; else True).
+
+    Grandchildren left by an exited leader belong to init (or a subreaper), which reaps
+    them on its own time: until then they count for `killpg` but no longer run.
+    """
+    proc = "/proc"
+    if not os.path.isdir(proc):
+        return True
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()  # state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
+def _stream(
+    output: IO[str],
+    on_line: Callable[[str], None],
+    deadline: float | None,
+) -> None:
+    """Pass the child's lines to `on_line` until its output closes or the deadline passes.
+
+    A thread reads (a read cannot time out); this thread waits in short slices, so
+    signals and the deadline are handled even while the child prints nothing.
+    """
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for line in output:
+                lines.put(line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            lines.put(_END)
+
+    threading.Thread(target=read, name="supervised-output", daemon=True).start()
+    while True:
+        if deadline is not None and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired("", 0)  # run_supervised names the command
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line is _END:
+            return
+        on_line(line.rstrip("\r\n"))
+
+
+class _Terminated(SystemExit):
+    """SIGTERM under default handling: unwind (children stopped), exit 128 + 15."""
+
+
+def _raise_terminated(signum: int, _frame: FrameType | None) -> None:
+    raise _Terminated(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the child runs, SIGTERM at default handling raises instead of killing this
+    process outright (which would leave the child's group running). A handler someone
+    installed (the command line's, Prefect's) is left alone: it raises on its own, or
+    ignores the signal on purpose. Only the main thread can set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,168 @@
+"""Supervised child processes: a SIGTERM, a timeout or Ctrl+C leaves none of the child's
+process group alive (grandchildren, and one that ignores SIGTERM, included)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from journeys.processes import run_supervised
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
+
+# Two grandchildren, one of which ignores SIGTERM (SIGKILL must follow); then their pids.
+CHILD = """
+import subprocess, sys, time
+sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+stubborn = [sys.executable, "-c", "import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('armed', flush=True); "
+            "time.sleep(60)"]
+a = subprocess.Popen(sleeper)
+b = subprocess.Popen(stubborn, stdout=subprocess.PIPE, text=True)
+b.stdout.readline()
+print("pids", a.pid, b.pid, flush=True)
+time.sleep(60)
+"""
+# The supervisor: prints the child's pid and lines, with a short grace before SIGKILL.
+SUPERVISOR = """
+import sys
+from journeys.processes import run_supervised
+timeout = float(sys.argv[1]) if sys.argv[1] != "none" else None
+code = run_supervised([sys.executable, "-c", sys.argv[2]], timeout=timeout, grace=1.0,
+                      on_line=lambda line: print(line, flush=True))
+"""
+
+
+def alive(pid: int) -> bool:
+    """Runs (a zombie has ended: its parent just has not reaped it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def start_supervisor(timeout: str) -> tuple[subprocess.Popen, list[int]]:
+    """The supervisor in its own process; returns it and the child's group (child first)."""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, timeout, CHILD],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in supervisor.stdout], daemon=True
+    ).start()
+    try:
+        line = lines.get(timeout=10)
+    except queue.Empty:
+        supervisor.kill()
+        raise AssertionError("the child never started its grandchildren") from None
+    grandchildren = [int(pid) for pid in line.split()[1:]]
+    child = os.getpgid(grandchildren[0])  # the group's leader: the supervised child
+    return supervisor, [child, *grandchildren]
+
+
+def assert_all_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:  # never leave them behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running: {left}"
+
+
+def test_sigterm_to_the_supervisor_stops_the_whole_group() -> None:
+    supervisor, group = start_supervisor("none")
+    assert all(alive(pid) for pid in group)
+    started = time.monotonic()
+    os.kill(supervisor.pid, signal.SIGTERM)
+    assert supervisor.wait(timeout=10) == 128 + signal.SIGTERM
+    assert_all_gone(group, within=10 - (time.monotonic() - started))
+
+
+def test_a_timeout_stops_the_whole_group() -> None:
+    supervisor, group = start_supervisor("2")
+    code = supervisor.wait(timeout=12)
+    assert code not in (0, None)
+    assert_all_gone(group, within=2)
+
+
+def test_lines_exit_code_and_interrupt_in_process() -> None:
+    lines: list[str] = []
+    script = "print('one'); print('two', flush=True); raise SystemExit(3)"
+    assert run_supervised([sys.executable, "-c", script], on_line=lines.append) == 3
+    assert lines == ["one", "two"]
+
+    started: list[int] = []
+
+    def interrupt(line: str) -> None:  # Ctrl+C arriving while the child runs
+        started.append(int(line))
+        raise KeyboardInterrupt
+
+    sleeper = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+    with pytest.raises(KeyboardInterrupt):
+        run_supervised([sys.executable, "-c", sleeper], on_line=interrupt, grace=2)
+    assert_all_gone(started, within=1)
+
+
+def test_a_silent_child_still_times_out() -> None:
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ran longer than 0\.5 s"):
+        run_supervised([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+    assert time.monotonic() - started < 5
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_journeys_ui_under_sigterm_leaves_no_process_and_no_listening_port(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    import psutil
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    command = [sys.executable, "-m", "journeys.cli", "ui", "--port", str(port),
+               "--set", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]  # fmt: skip
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    ui = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 120  # the server's start is slow on a busy machine
+        while not _listening(port):
+            assert ui.poll() is None, "journeys ui exited before the server listened"
+            assert time.monotonic() < deadline, "the MLflow server never listened"
+            time.sleep(0.5)
+        started = psutil.Process(ui.pid).children(recursive=True)
+        assert started  # the server and its workers
+        stopped_at = time.monotonic()
+        ui.send_signal(signal.SIGTERM)
+        assert ui.wait(timeout=15) == 143
+        assert time.monotonic() - stopped_at < 12
+    finally:
+        ui.kill()
+    _, alive = psutil.wait_procs(started, timeout=3)
+    assert not alive, [p.pid for p in alive]
+    assert not _listening(port)
