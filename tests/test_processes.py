@@ -166,3 +166,39 @@ def test_journeys_ui_under_sigterm_leaves_no_process_and_no_listening_port(
     _, alive = psutil.wait_procs(started, timeout=3)
     assert not alive, [p.pid for p in alive]
     assert not _listening(port)
+
+
+def test_journeys_serve_under_sigterm_stops_its_prefect_server(tmp_path: Path) -> None:
+    import psutil
+
+    if _listening(4200):
+        pytest.skip("a Prefect server already listens on 127.0.0.1:4200: serve would use it")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # fmt: skip
+    env.pop("PREFECT_API_URL", None)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "journeys.cli", "serve"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in serve.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 180  # a first server start migrates its database
+        while True:
+            assert serve.poll() is None, "journeys serve exited early"
+            assert time.monotonic() < deadline, "journeys serve never started serving"
+            try:
+                if lines.get(timeout=1).startswith("serving"):
+                    break
+            except queue.Empty:
+                continue
+        started = psutil.Process(serve.pid).children(recursive=True)
+        assert started and _listening(4200)
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(timeout=20)
+    finally:
+        serve.kill()
+    assert code != 0  # a stopped command says so
+    _, alive = psutil.wait_procs(started, timeout=3)
+    assert not alive, [p.pid for p in alive]
+    assert not _listening(4200)
