@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from journeys.metrics import format_metric
+
 METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
 MLFLOW_UI = "journeys ui  (MLflow on http://127.0.0.1:5000)"
 PREFECT_UI = (
@@ -24,8 +26,7 @@ def metric_rows(train: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
 
 
 def _value(metrics: dict[str, float], name: str) -> str:
-    value = metrics.get(f"test_{name}")
-    return "n/a" if value is None else f"{value:.4f}"
+    return format_metric(metrics, name)
 
 
 def metrics_markdown(train: dict[str, Any]) -> str:
@@ -142,11 +143,18 @@ def console_summary(summary: dict[str, Any]) -> str:
     """The short text `journeys pipeline` prints at the end."""
     ingest, train = summary["ingest"], summary["train"]
     score, attribution = summary["score"], summary["attribution"]
-    width = max(len(model) for model, _ in metric_rows(train))
-    header = f"    {'model':<{width}}  " + "  ".join(f"{m:>8}" for m in METRICS)
+    rows = [(model, [_value(metrics, m) for m in METRICS]) for model, metrics in metric_rows(train)]
+    width = max(len(model) for model, _ in rows)
+    widths = [
+        max(len(name), *(len(cells[i]) for _, cells in rows)) for i, name in enumerate(METRICS)
+    ]
+    header = f"    {'model':<{width}}  " + "  ".join(
+        f"{m:>{w}}" for m, w in zip(METRICS, widths, strict=True)
+    )
     table = [header] + [
-        f"    {model:<{width}}  " + "  ".join(f"{_value(metrics, m):>8}" for m in METRICS)
-        for model, metrics in metric_rows(train)
+        f"    {model:<{width}}  "
+        + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
+        for model, cells in rows
     ]
     decision = "promoted" if train.get("promoted") else "not promoted"
     lines = [f"journeys pipeline: done in {summary['seconds']:.0f} s"]

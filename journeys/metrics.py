@@ -7,6 +7,7 @@ transformer and the baselines are scored by exactly the same code.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -74,6 +75,17 @@ def binary_metrics(
         for name, (low, high) in bounds.items():
             out[f"{name}_ci_low"], out[f"{name}_ci_high"] = low, high
     return {f"{prefix}{name}": value for name, value in out.items()}
+
+
+def format_metric(scores: Mapping[str, float], name: str) -> str:
+    """`0.8504 [0.8421, 0.8587]` for a test metric with a 95% interval, else `0.0123`."""
+    value = scores.get(f"test_{name}")
+    if value is None:
+        return "n/a"
+    low, high = scores.get(f"test_{name}_ci_low"), scores.get(f"test_{name}_ci_high")
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return f"{value:.4f}"
+    return f"{value:.4f} [{low:.4f}, {high:.4f}]"
 
 
 def roc_auc_interval(labels: np.ndarray, scores: np.ndarray) -> tuple[float, float]:

@@ -492,15 +492,6 @@ def _calibrated(scores: dict[str, float]) -> dict[str, float]:
     return calibrated | intervals
 
 
-def format_metric(scores: dict[str, float], name: str) -> str:
-    """`0.8504 [0.8421, 0.8587]` for a metric with a 95% interval, else `0.0123`."""
-    value = scores[f"test_{name}"]
-    low, high = scores.get(f"test_{name}_ci_low"), scores.get(f"test_{name}_ci_high")
-    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
-        return f"{value:.4f}"
-    return f"{value:.4f} [{low:.4f}, {high:.4f}]"
-
-
 def print_comparison(rows: list[tuple[str, dict[str, float]]], sizes: dict[str, int]) -> None:
     """One table of every model's test metrics (higher AUCs, lower losses are better), with
     95% intervals of the AUCs, and a word when the test split is too small to tell."""
@@ -513,7 +504,7 @@ def print_comparison(rows: list[tuple[str, dict[str, float]]], sizes: dict[str, 
     for name in COMPARED_METRICS:
         table.add_column(name, justify="right")
     for model, scores in rows:
-        table.add_row(model, *(format_metric(scores, m) for m in COMPARED_METRICS))
+        table.add_row(model, *(M.format_metric(scores, m) for m in COMPARED_METRICS))
     Console(width=max(120, int(os.environ.get("COLUMNS", "120")))).print(table)
     if sizes["positives"] < MIN_EVALUATION_CONVERSIONS:
         print(small_evaluation_warning("test", sizes))
