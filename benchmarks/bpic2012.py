@@ -16,14 +16,16 @@ CC BY 4.0) with the product's own pipeline:
   setting (below); the first 40 events of each case are kept. The log it ingests is the raw
   log plus two derived categorical columns (`prepare_log`): the requested amount's band and
   the time since the case's first event, as the product has no numeric features;
-- the transformer: the product's `JourneyTransformer` with `model.causal=true`, trained with
-  the product's `JourneyModule` (optimiser, schedule, prior-initialised head) but with the
-  loss at EVERY prefix position (the causal head gives a logit after each event, so one pass
-  trains on all prefixes 1..40, as the reference trains on all prefixes), early-stopped on
-  the val cases' protocol AUC, then (like the baseline) retrained from scratch on train +
-  val for the early-stopped number of epochs (`--no-refit` skips this); each test case is
-  scored in ONE pass and the logit after event k is the prediction for the prefix of
-  length k. Three seeds, probabilities averaged;
+- the transformer: the product's causal `JourneyTransformer`, trained by the product's
+  `JourneyModule` and Trainer (`journeys.training`) with configuration only
+  (`MODEL_OVERRIDES`): `train.objective=every_prefix` puts the loss at every prefix position
+  (the causal head gives a logit after each event, so one pass trains on all prefixes
+  1..40), `train.prefix_weight=prefix` weighs every prefix alike (the reference trains on
+  all prefixes, one row each), `train.monitor=val_prefix_roc_auc` checkpoints and stops
+  early on the val cases' prefixes; then (like the baseline) it is retrained from scratch
+  on train + val for the early-stopped number of epochs (`--no-refit` skips this); each
+  test case is scored in ONE pass of the product's `run_model` and the logit after event k
+  is the prediction for the prefix of length k. Three seeds, probabilities averaged;
 - the baseline: scikit-learn's HistGradientBoostingClassifier on the reference's
   aggregation encoding (counts of activity-lifecycle and resource in the prefix; mean, max,
   min, sum and std of the event's hour, weekday, month, minutes since midnight, since the
@@ -60,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import math
 import os
@@ -82,9 +83,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 if TYPE_CHECKING:
-    import lightning as L
-    import torch
-
     from journeys.config import Config
     from journeys.data import EncodedJourneys
     from journeys.model import JourneyTransformer
@@ -135,6 +133,14 @@ NEVER = "__no_conversion__"  # an event type that does not occur: no journey is 
 # Model and training settings (product config keys) for the full run and for --quick.
 MODEL_OVERRIDES = [
     "model.causal=true",
+    # The loss at every prefix (the causal head gives a logit after each event), one row
+    # per prefix as the reference trains; the checkpoint and early stopping on the val
+    # cases' prefix AUC (the journey's own AUC sees the outcome event in `reference`).
+    "train.objective=every_prefix",
+    "train.prefix_weight=prefix",
+    "train.monitor=val_prefix_roc_auc",
+    "train.ema_decay=null",  # as measured: the raw weights of the best epoch
+    "train.positive_share=null",  # every train case, every epoch
     # The visit-gap embedding (a 30-minute session rule, made for web journeys) did not
     # help here: cancelled 0.6908 with it, 0.6929 without (reference setting, 3 seeds).
     "model.visit_gap=null",
@@ -337,7 +343,13 @@ def setting_overrides(setting: str) -> list[str]:
         return common  # the shipped drop_events, A_APPROVED conversion, after_conversion drop
     if setting == "reference":
         # Nothing dropped and nothing cut: every event of the case is in its sequence.
-        return [*common, f"data.conversion_events=[{NEVER}]", "data.drop_events=[]"]
+        # Labels come from the offer events here, not from ingest: no conversion is expected.
+        return [
+            *common,
+            f"data.conversion_events=[{NEVER}]",
+            "data.drop_events=[]",
+            "ingest.require_conversions=false",
+        ]
     raise ValueError(f"unknown setting {setting!r}; choose from {SETTINGS}")
 
 
@@ -480,87 +492,6 @@ def build_vocabularies(
     return product_builder(train.lazy().with_columns(pl.lit("train").alias("split")), config)
 
 
-def _prefix_module_class() -> type:
-    """`PrefixJourneyModule`, defined on first use so that importing this file stays light."""
-    import torch
-    import torch.nn.functional as F
-
-    from journeys.data import JourneyBatch
-    from journeys.training import JourneyModule
-
-    class PrefixJourneyModule(JourneyModule):
-        """The product's `JourneyModule` with the loss at every prefix position.
-
-        A causal model's `prefix_logits[:, k - 1]` sees only events 1..k, so one pass over a
-        case gives a training example per prefix, each labelled with the case's outcome and
-        weighted alike (the reference trains on all prefixes, one row each). Validation
-        logs `val_prefix_auc`, the protocol's metric on the val cases' prefixes.
-        """
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if not self.model.config.causal:
-                raise ValueError("prefix training needs model.causal=true")
-            self._val: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-        def _prefixes(self, batch: JourneyBatch) -> tuple[torch.Tensor, ...]:
-            out = self.model(batch.tokens, batch.features, batch.time_buckets, batch.mask)
-            mask = batch.mask
-            positions = torch.arange(1, mask.size(1) + 1, device=mask.device).expand_as(mask)
-            labels = batch.labels[:, None].expand_as(mask)
-            return out.prefix_logits.float()[mask], labels[mask], positions[mask]
-
-        def training_step(self, batch: JourneyBatch, batch_idx: int) -> torch.Tensor:
-            logits, labels, _ = self._prefixes(batch)
-            smoothing = self.train_settings.label_smoothing
-            targets = labels * (1 - smoothing) + 0.5 * smoothing
-            loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.pos_weight)
-            self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(logits))
-            return loss
-
-        def validation_step(self, batch: JourneyBatch, batch_idx: int) -> None:
-            logits, labels, positions = self._prefixes(batch)
-            self._val.append((logits.detach().cpu(), labels.cpu(), positions.cpu()))
-
-        def on_validation_epoch_end(self) -> None:
-            if not self._val:
-                return
-            logits, labels, positions = (torch.cat(parts) for parts in zip(*self._val, strict=True))
-            self._val.clear()
-            loss = F.binary_cross_entropy_with_logits(logits, labels)
-            auc = prefix_auc(positions.numpy(), labels.numpy(), logits.numpy())
-            self.log("val_loss", loss)
-            self.log("val_prefix_auc", auc if math.isfinite(auc) else 0.0)
-
-    return PrefixJourneyModule
-
-
-def _keep_best_class() -> type:
-    import lightning as L
-
-    class KeepBest(L.Callback):
-        """Keeps (in memory) the model weights of the epoch with the best monitored score."""
-
-        def __init__(self, monitor: str) -> None:
-            self.monitor = monitor
-            self.best: float | None = None
-            self.epoch: int | None = None
-            self.state: dict[str, Any] | None = None
-
-        def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            if trainer.sanity_checking:
-                return
-            score = trainer.callback_metrics.get(self.monitor)
-            if score is None:
-                return
-            if self.best is None or float(score) > self.best:
-                self.best = float(score)
-                self.epoch = trainer.current_epoch
-                self.state = copy.deepcopy(pl_module.model.state_dict())
-
-    return KeepBest
-
-
 @dataclass
 class TrainedModel:
     model: JourneyTransformer
@@ -578,58 +509,53 @@ def train_transformer(
     val: EncodedJourneys | None,
     max_len: int = MAX_PREFIX,
 ) -> TrainedModel:
-    """Fit `PrefixJourneyModule` on `train` (loss at every prefix), stop early on `val`.
+    """Fit the product's `JourneyModule` with the product's Trainer (`build_trainer`).
 
-    Without `val` (or with an empty one) it trains for `train.max_epochs` and keeps the last
-    weights.
+    Everything that makes it prefix-by-prefix is configuration (`MODEL_OVERRIDES`): the
+    loss at every prefix, each prefix weighted alike, and the checkpoint and early stopping
+    on the val prefixes' AUC. Without `val` (or with an empty one) it trains for
+    `train.max_epochs` and keeps the last weights.
     """
+    import tempfile
+
     import lightning as L
-    from lightning.pytorch.callbacks import EarlyStopping
+    import torch
 
     from journeys.data import make_dataloader, model_config_from
+    from journeys.training import JourneyModule, build_trainer
 
     started = time.perf_counter()
     L.seed_everything(config.train.seed, workers=True, verbose=False)
     model_config = model_config_from(config.model, vocabs, max_len=max_len)
     lengths = train.lengths.float()
-    base_rate = float((train.labels * lengths).sum() / lengths.sum())
-    module = _prefix_module_class()(model_config, config.train, base_rate)
-    keep = _keep_best_class()("val_prefix_auc")
-    callbacks: list[L.Callback] = [keep]
+    # The head starts at the loss-minimising constant: the positive rate over what the loss
+    # averages (prefixes, with prefix_weight: prefix).
+    if config.train.prefix_weight == "prefix":
+        base_rate = float((train.labels * lengths).sum() / lengths.sum())
+    else:
+        base_rate = float(train.labels.mean())
+    module = JourneyModule(model_config, config.train, base_rate)
     has_val = val is not None and len(val) > 0
-    if has_val:
-        callbacks.append(
-            EarlyStopping(
-                monitor="val_prefix_auc", mode="max", patience=config.train.patience, verbose=False
-            )
-        )
-    trainer = L.Trainer(
-        accelerator=config.train.accelerator,
-        devices=1,
-        precision=config.train.precision,
-        max_epochs=config.train.max_epochs,
-        gradient_clip_val=config.train.grad_clip or None,
-        logger=False,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
+    train_loader = make_dataloader(
+        train, config.train.batch_size, shuffle=True, seed=config.train.seed
     )
-    batch_size = config.train.batch_size
-    train_loader = make_dataloader(train, batch_size, shuffle=True, seed=config.train.seed)
     val_loader = make_dataloader(val, 512, shuffle=False) if has_val else None
-    with warnings.catch_warnings():
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=r".*smaller than the logging interval.*")
+        warnings.filterwarnings("ignore", message=r".*could not find the monitored key.*")
+        trainer, checkpoint = build_trainer(config, False, Path(folder), progress=False)
         trainer.fit(module, train_dataloaders=train_loader, val_dataloaders=val_loader)
-    if keep.state is not None:
-        module.model.load_state_dict(keep.state)
+        best_epoch = best_score = None
+        if has_val and checkpoint.best_model_path:
+            saved = torch.load(checkpoint.best_model_path, weights_only=True)
+            module.load_state_dict(saved["state_dict"])
+            best_epoch = int(saved["epoch"]) + 1
+            best_score = float(checkpoint.best_model_score)
     return TrainedModel(
         model=module.model.eval(),
-        best_epoch=None if keep.epoch is None else keep.epoch + 1,
-        best_val_auc=keep.best,
+        best_epoch=best_epoch,
+        best_val_auc=best_score,
         epochs_run=trainer.current_epoch,
         seconds=time.perf_counter() - started,
     )
@@ -659,31 +585,20 @@ def score_prefixes(
 ) -> pl.DataFrame:
     """One pass per case: `case_row`, `prefix_len`, `probability` for every prefix.
 
-    The causal model's logit after event k only sees events 1..k, so it is the prediction
-    for the prefix of length k (checked against scoring that prefix alone in the tests).
+    The product's inference path (`run_model`): the causal model's logit after event k only
+    sees events 1..k, so it is the prediction for the prefix of length k (checked against
+    scoring that prefix alone in the tests).
     """
-    import torch
+    from journeys.inference import run_model
+    from journeys.metrics import sigmoid
 
-    from journeys.data import make_dataloader
-
-    parts: list[pl.DataFrame] = []
-    model.eval()
-    with torch.no_grad():
-        for batch in make_dataloader(encoded, batch_size, shuffle=False, group_by_length=True):
-            out = model(batch.tokens, batch.features, batch.time_buckets, batch.mask)
-            mask = batch.mask
-            positions = torch.arange(1, mask.size(1) + 1).expand_as(mask)
-            rows = batch.index[:, None].expand_as(mask)
-            parts.append(
-                pl.DataFrame(
-                    {
-                        "case_row": rows[mask].numpy().astype(np.int64),
-                        "prefix_len": positions[mask].numpy().astype(np.int64),
-                        "probability": torch.sigmoid(out.prefix_logits.float())[mask].numpy(),
-                    }
-                )
-            )
-    return pl.concat(parts).sort(["case_row", "prefix_len"])
+    outputs = run_model(model, encoded, batch_size)
+    if outputs.prefix_logits is None:
+        raise ValueError("scoring every prefix needs a causal model (model.causal=true)")
+    # run_model's per-event arrays are flat, journey by journey: generate_prefixes' order.
+    lengths = np.diff(outputs.offsets)
+    rows = generate_prefixes(lengths, max_prefix=int(lengths.max(initial=0)))
+    return rows.with_columns(pl.Series("probability", sigmoid(outputs.prefix_logits)))
 
 
 @dataclass

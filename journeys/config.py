@@ -313,6 +313,26 @@ class Train(Section):
         default_factory=lambda: ["logreg", "hgb", "last_touch", "prior"]
     )
     bigrams: bool = False
+    # What the loss is on: the journey's logit (its last event), or the logit after every
+    # event of a causal model (`model.causal: true`), each prefix labelled with the journey's
+    # outcome, so the model also learns to predict mid-journey. See `JourneyModule`.
+    objective: Literal["journey", "every_prefix"] = "journey"
+    # every_prefix only: "journey" averages the loss over each journey's prefixes, then over
+    # journeys (every journey weighs the same, however long); "prefix" weighs every prefix
+    # alike (one row per prefix, as prefix-by-prefix benchmarks such as BPIC 2012 train).
+    prefix_weight: Literal["journey", "prefix"] = "journey"
+    # The val metric that picks the checkpoint and stops early: the journey's AUC (what is
+    # scored), or with every_prefix the AUC over every val prefix (prefix-by-prefix use).
+    monitor: Literal["val_roc_auc", "val_prefix_roc_auc"] = "val_roc_auc"
+
+    @model_validator(mode="after")
+    def _prefix_settings(self) -> Train:
+        if self.objective != "every_prefix":
+            if self.prefix_weight != "journey":
+                raise ValueError("prefix_weight: prefix needs objective: every_prefix")
+            if self.monitor == "val_prefix_roc_auc":
+                raise ValueError("monitor: val_prefix_roc_auc needs objective: every_prefix")
+        return self
 
 
 class Mlflow(Section):
@@ -402,6 +422,13 @@ class Config(Section):
 
         walk("", self.model_dump(mode="json"))
         return out
+
+    @model_validator(mode="after")
+    def _objective_needs_causal(self) -> Config:
+        # Spans two sections: the logit after each event exists only in a causal model.
+        if self.train.objective == "every_prefix" and not self.model.causal:
+            raise ValueError("train.objective: every_prefix needs model.causal: true")
+        return self
 
 
 def _apply_override(tree: dict[str, Any], assignment: str) -> None:

@@ -8,7 +8,8 @@ what changes when the way the network learns changes:
 - `JourneyModule`: `JourneyTransformer` + loss (on the journey's logit, or at every prefix
   with `train.objective: every_prefix`), optimiser and per-step schedule;
 - `ema_update` / `weight_averaging`: the exponential moving average of the weights;
-- `build_trainer`: checkpoints on `val_roc_auc`, early stopping, devices and precision.
+- `build_trainer`: checkpoints on `train.monitor` (`val_roc_auc`), early stopping, devices
+  and precision.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from journeys.data import (
     sample_negatives,
 )
 from journeys.datasets import SPLITS, labelled, scan_journeys
-from journeys.errors import InputError
+from journeys.errors import ConfigError, InputError
 from journeys.model import JourneyTransformer, ModelConfig
 from journeys.vocab import Vocabularies
 
@@ -187,6 +188,11 @@ class JourneyModule(L.LightningModule):
     `train_loss` is the optimised loss (with label smoothing and pos_weight, on the
     epoch's sample of negatives); `val_loss` is the plain log loss on every val journey, so
     runs with different loss settings stay comparable.
+
+    `train.objective: every_prefix` (causal models) puts the loss on the logit after every
+    real event, each prefix labelled with its journey's outcome; `val_loss` and
+    `val_roc_auc` stay on the journey's logit (what is scored), and `val_prefix_roc_auc`
+    is the AUC over every val prefix.
     """
 
     def __init__(
@@ -197,51 +203,95 @@ class JourneyModule(L.LightningModule):
         negative_fraction: float = 1.0,
     ):
         super().__init__()
+        self.every_prefix = train.objective == "every_prefix"
+        if self.every_prefix and not model_config.causal:
+            raise ConfigError("train.objective: every_prefix needs model.causal: true")
         self.model = JourneyTransformer(model_config)
         self.train_settings = train
         self.negative_fraction = negative_fraction
         pos_weight = torch.tensor(train.pos_weight) if train.pos_weight else None
         self.register_buffer("pos_weight", pos_weight, persistent=False)
         self.val_auroc = BinaryAUROC()  # accumulates over the epoch, syncs across ranks
+        self.val_prefix_auroc = BinaryAUROC() if self.every_prefix else None
         if base_rate is not None and 0 < base_rate < 1:
             # Start at the loss-minimising constant (the prior's log-odds, shifted by
             # pos_weight) rather than at p = 0.5: with a few % conversions the first
-            # hundreds of steps would otherwise only learn the base rate.
+            # hundreds of steps would otherwise only learn the base rate. (With
+            # prefix_weight: prefix that constant is the rate over prefixes: pass that.)
             prior = math.log(base_rate / (1 - base_rate)) + math.log(train.pos_weight or 1.0)
             with torch.no_grad():
                 self.model.head.bias.fill_(prior)
 
-    def _logits(self, batch: JourneyBatch) -> torch.Tensor:
+    def _outputs(self, batch: JourneyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The journey logits [B] and, for causal models, the prefix logits [B, L]."""
         out = self.model(batch.tokens, batch.features, batch.time_buckets, batch.mask)
-        return out.logits.float()  # bf16-mixed: the loss in float32
+        prefix = out.prefix_logits.float() if out.prefix_logits is not None else None
+        return out.logits.float(), prefix  # bf16-mixed: the loss in float32
 
-    def training_step(self, batch: JourneyBatch, batch_idx: int) -> torch.Tensor:
+    def _logits(self, batch: JourneyBatch) -> torch.Tensor:
+        return self._outputs(batch)[0]
+
+    def objective(self, batch: JourneyBatch) -> torch.Tensor:
+        """The training loss of a batch (see `train.objective` and `train.prefix_weight`)."""
+        logits, prefix_logits = self._outputs(batch)
         # With a share f of the negatives, the odds in a batch are 1/f times the full
         # data's: the loss sees logit + log(1/f), so the model's own logit keeps the full
-        # data's scale (King & Zeng 2001's prior correction, applied while training).
-        logits = self._logits(batch) - math.log(self.negative_fraction)
+        # data's scale (King & Zeng 2001's prior correction, applied while training). Every
+        # prefix of a sampled journey is sampled with it, so the same shift holds per prefix.
+        offset = -math.log(self.negative_fraction)
         smoothing = self.train_settings.label_smoothing
         targets = batch.labels * (1 - smoothing) + 0.5 * smoothing
-        loss = F.binary_cross_entropy_with_logits(logits, targets, pos_weight=self.pos_weight)
+        if not self.every_prefix:
+            return F.binary_cross_entropy_with_logits(
+                logits + offset, targets, pos_weight=self.pos_weight
+            )
+        assert prefix_logits is not None  # causal: checked in __init__
+        per_prefix = F.binary_cross_entropy_with_logits(
+            prefix_logits + offset,
+            targets[:, None].expand_as(prefix_logits),
+            pos_weight=self.pos_weight,
+            reduction="none",
+        )
+        mask = batch.mask
+        per_prefix = torch.where(mask, per_prefix, 0.0)  # padding: no loss, no NaN
+        if self.train_settings.prefix_weight == "prefix":
+            return per_prefix.sum() / mask.sum().clamp(min=1)
+        # Default: each journey's mean over its prefixes, then the mean over journeys. Every
+        # journey weighs the same, as with the journey objective: with one term per prefix
+        # a 64-event journey would count 32 times a 2-event one, so heavy users would
+        # dominate the fit, and the loss-minimising constant would be the conversion rate
+        # over events rather than over journeys, the rate the head's prior initialisation,
+        # the negative-sampling correction and calibration are on. (Sampling one prefix per
+        # journey would weigh alike too, but train on one event of each journey per epoch.)
+        per_journey = per_prefix.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_journey.mean()
+
+    def training_step(self, batch: JourneyBatch, batch_idx: int) -> torch.Tensor:
+        loss = self.objective(batch)
         self.log(
             "train_loss",
             loss,
             on_step=False,
             on_epoch=True,
             sync_dist=True,
-            batch_size=len(logits),
+            batch_size=len(batch.labels),
             prog_bar=True,
         )
         return loss
 
     def validation_step(self, batch: JourneyBatch, batch_idx: int) -> None:
-        logits = self._logits(batch)
+        logits, prefix_logits = self._outputs(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.val_auroc.update(torch.sigmoid(logits), batch.labels.long())
         self.log(
             "val_loss", loss, on_epoch=True, sync_dist=True, batch_size=len(logits), prog_bar=True
         )
         self.log("val_roc_auc", self.val_auroc, on_epoch=True, prog_bar=True)
+        if self.val_prefix_auroc is not None and prefix_logits is not None:
+            mask = batch.mask
+            labels = batch.labels[:, None].expand_as(mask)[mask].long()
+            self.val_prefix_auroc.update(torch.sigmoid(prefix_logits[mask]), labels)
+            self.log("val_prefix_roc_auc", self.val_prefix_auroc, on_epoch=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
         settings = self.train_settings
@@ -300,13 +350,19 @@ def min_epoch_journeys(settings: Train, world_size: int) -> int:
 
 
 def build_trainer(
-    config: Config, logger: Logger, checkpoint_dir: Path | None
+    config: Config, logger: Logger | bool, checkpoint_dir: Path | None, *, progress: bool = True
 ) -> tuple[L.Trainer, ModelCheckpoint]:
+    """The Trainer, and its checkpoint of the best `train.monitor` (`val_roc_auc`).
+
+    `progress=False` leaves out the progress bar and the model summary (benchmarks that
+    train many models). Without val batches nothing stops early and the last weights count.
+    """
     settings = config.train
+    monitor = settings.monitor
     checkpoint = ModelCheckpoint(
         dirpath=checkpoint_dir,  # None off rank 0: Lightning broadcasts rank 0's
-        filename="best-{epoch:02d}-{val_roc_auc:.4f}",
-        monitor="val_roc_auc",
+        filename=f"best-{{epoch:02d}}-{{{monitor}:.4f}}",
+        monitor=monitor,
         mode="max",
         save_top_k=1,
     )
@@ -320,8 +376,10 @@ def build_trainer(
         enable_version_counter=False,
     )
     # check_finite=False: a val split with one class gives a NaN AUC, not a reason to stop.
+    # strict=False: a fit without val batches (a benchmark's refit on train + val) runs its
+    # epochs; a monitor missing after validation still fails, in ModelCheckpoint.
     early_stopping = EarlyStopping(
-        monitor="val_roc_auc", mode="max", patience=settings.patience, check_finite=False
+        monitor=monitor, mode="max", patience=settings.patience, check_finite=False, strict=False
     )
     callbacks: list[Callback] = [checkpoint, last, early_stopping, *weight_averaging(settings)]
     trainer = L.Trainer(
@@ -336,5 +394,7 @@ def build_trainer(
         callbacks=callbacks,
         default_root_dir=config.paths.checkpoints,
         log_every_n_steps=1,  # only epoch-level metrics are logged; this just silences a warning
+        enable_progress_bar=progress,
+        enable_model_summary=progress,
     )
     return trainer, checkpoint

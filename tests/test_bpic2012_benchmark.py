@@ -205,7 +205,20 @@ def test_every_prefix_of_every_test_case_gets_a_probability(sample_run, setting)
             assert ((probs > 0) & (probs < 1)).all()
         assert 0.0 <= task.transformer_auc <= 1.0 and 0.0 <= task.boosting_auc <= 1.0
         assert len(task.details["transformer_auc_per_seed"]) == 2  # the mean of two models
+        # The product's checkpoint on train.monitor picked the one epoch each seed ran.
+        assert task.details["transformer_best_epoch"] == [1, 1]
+        assert all(0.0 <= auc <= 1.0 for auc in task.details["transformer_val_auc"])
         assert task.transformer_by_length.get_column("prefix_len").max() <= bench.MAX_PREFIX
+
+
+def test_the_transformer_is_trained_by_configuration(tmp_path: Path):
+    """The loss at every prefix, weights and monitor are product config keys, not code here."""
+    config = bench.make_config("reference", bench.SAMPLE_RAW, tmp_path)
+    assert config.model.causal
+    assert config.train.objective == "every_prefix"
+    assert config.train.prefix_weight == "prefix"  # one row per prefix, as the reference
+    assert config.train.monitor == "val_prefix_roc_auc"
+    assert not hasattr(bench, "_prefix_module_class") and not hasattr(bench, "_keep_best_class")
 
 
 def test_leak_free_sequences_hold_no_outcome_event(tmp_path: Path):
