@@ -399,7 +399,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=list(KS))
     parser.add_argument("--work", type=Path, default=WORK)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--no-record", action="store_true", help="do not record the run in RESULTS.md")
+    parser.add_argument(
+        "--no-record", action="store_true", help="do not record the run in RESULTS.md"
+    )
     args = parser.parse_args()
     if args.quick:
         args.users, args.eval_users, args.epochs, args.sample = 4_000, 2_000, 2, 300

@@ -196,7 +196,9 @@ class Split(Section):
             raise ValueError("split fractions must be non-negative and sum to 1")
         # Validated here once, against what training needs: it fits on train, picks the
         # checkpoint and the temperature on val, and registers by test.
-        empty = [name for name, f in zip(("train", "val", "test"), fractions, strict=True) if f <= 0]
+        empty = [
+            name for name, f in zip(("train", "val", "test"), fractions, strict=True) if f <= 0
+        ]
         if empty:
             raise ValueError(
                 f"the {' and '.join(empty)} share must be positive (training needs train, "
