@@ -123,9 +123,16 @@ def prefect_server() -> Iterator[str]:
 
 @contextlib.contextmanager
 def _local_api(setting: Any, temporary_settings: Any) -> Iterator[None]:
+    before = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = LOCAL_API  # for the flow-run processes serve starts
-    with temporary_settings({setting: LOCAL_API}):
-        yield
+    try:
+        with temporary_settings({setting: LOCAL_API}):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = before
 
 
 def serve_command(config: Config) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from journeys.config import Config, load_config
-from journeys.errors import Interrupted, JourneysError
+from journeys.errors import ConfigError, Interrupted, JourneysError
 
 EXIT_BAD_INPUT = 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -112,11 +112,21 @@ def cmd_score(args: argparse.Namespace) -> None:
     require_input(
         args.input or config.paths.journeys, "input", "run `journeys ingest` or pass --input"
     )
+    dimensions = set(config.attribution.by or [])
+    unknown = dimensions - {"event_type", *config.data.features}
+    if unknown:  # fail before the scores are replaced, not after
+        raise ConfigError(
+            f"attribution.by names {sorted(unknown)}, not among data.features "
+            f"{list(config.data.features)} or event_type"
+        )
     with _locked(config, "score"):
         result = score_command(config, model_uri=args.model, input_path=args.input, out=args.out)
         report = args.report or (None if args.out else config.paths.reports)
         if report and result.rows:
             attribute_command(config, scores=result.out, out=report)
+        elif report:
+            print(f"journeys score: no journeys scored: the report in {report} is not rebuilt",
+                  file=sys.stderr)  # fmt: skip
 
 
 def cmd_attribute(args: argparse.Namespace) -> None:

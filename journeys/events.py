@@ -240,7 +240,8 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
         # clicked) are repeated interactions, not copies: the columns read are compared
         # as they are, the others through one hash (a nested record a feature reads from
         # is hashed whole). A log with no other column hashes nothing.
-        unread = [name for name in schema.names() if name not in raw_names.values()]
+        # Sorted: files that hold the same columns in another order hash alike.
+        unread = sorted(name for name in schema.names() if name not in raw_names.values())
         if not unread:
             row_hash = pl.lit(0, pl.UInt32)
         else:

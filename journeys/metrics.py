@@ -117,11 +117,14 @@ def average_precision_interval(ap: float, n_positives: int) -> tuple[float, floa
     covers well from a few dozen positives on; with fewer it is wide, as it should be."""
     if not math.isfinite(ap) or n_positives == 0:
         return math.nan, math.nan
-    if ap <= 0.0 or ap >= 1.0:
-        return ap, ap
-    centre = math.log(ap / (1 - ap))
-    half = Z_95 / math.sqrt(n_positives * ap * (1 - ap))
-    return 1 / (1 + math.exp(-(centre - half))), 1 / (1 + math.exp(-(centre + half)))
+    # A perfect (or null) ranking of a few positives is no certainty: the interval is that
+    # of an AP half a positive from the edge, stretched to reach the estimate itself.
+    edge = 0.5 / n_positives
+    shrunk = min(max(ap, edge), 1 - edge)
+    centre = math.log(shrunk / (1 - shrunk))
+    half = Z_95 / math.sqrt(n_positives * shrunk * (1 - shrunk))
+    low, high = 1 / (1 + math.exp(-(centre - half))), 1 / (1 + math.exp(-(centre + half)))
+    return min(low, ap), max(high, ap)
 
 
 def fit_temperature(logits: np.ndarray, labels: np.ndarray, max_iter: int = 100) -> float:

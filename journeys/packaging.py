@@ -65,6 +65,8 @@ def preprocessing_settings(config: Config) -> dict[str, Any]:
         "drop_events": list(data.drop_events),
         "event_map": dict(data.event_map),
         "columns": dict(data.columns),
+        "header": data.header,
+        "separator": data.separator,
         "timezone": data.timezone,
         "timestamp_unit": data.timestamp_unit,
     }

@@ -27,6 +27,7 @@ from typing import IO
 GRACE_S = 8.0  # after SIGTERM, before SIGKILL
 KILL_WAIT_S = 2.0  # after SIGKILL, before giving up on a process that will not go
 POLL_S = 0.05
+DRAIN_S = 1.0  # after the command exits, how long its last output may still arrive
 _END = None  # the reader's last item: the output is closed
 
 
@@ -63,7 +64,7 @@ def run_supervised(
         try:
             if on_line is not None:
                 assert process.stdout is not None
-                _stream(process.stdout, on_line, deadline)
+                _stream(process.stdout, on_line, deadline, process)
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             code = process.wait(remaining)
         except subprocess.TimeoutExpired:
@@ -148,8 +149,10 @@ def _stream(
     output: IO[str],
     on_line: Callable[[str], None],
     deadline: float | None,
+    process: subprocess.Popen,
 ) -> None:
-    """Pass the child's lines to `on_line` until its output closes or the deadline passes.
+    """Pass the child's lines to `on_line` until its output closes, the command exits (a
+    grandchild may hold the output open: `run_supervised` stops it) or the deadline passes.
 
     A thread reads (a read cannot time out); this thread waits in short slices, so
     signals and the deadline are handled even while the child prints nothing.
@@ -166,11 +169,17 @@ def _stream(
             lines.put(_END)
 
     threading.Thread(target=read, name="supervised-output", daemon=True).start()
+    drain_until = None
     while True:
-        if deadline is not None and time.monotonic() > deadline:
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
             raise subprocess.TimeoutExpired("", 0)  # run_supervised names the command
+        if drain_until is None and process.poll() is not None:
+            drain_until = now + DRAIN_S  # the command is done: take what it printed last
+        if drain_until is not None and now > drain_until:
+            return
         try:
-            line = lines.get(timeout=0.5)
+            line = lines.get(timeout=0.5 if drain_until is None else 0.05)
         except queue.Empty:
             continue
         if line is _END:

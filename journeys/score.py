@@ -58,7 +58,7 @@ from journeys.datasets import (
     scores_schema,
     scoring_columns,
 )
-from journeys.errors import InputError, first_line
+from journeys.errors import ConfigError, InputError, first_line
 from journeys.storage import atomic_dir, scratch_dir
 from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, tracking_ready
 
@@ -125,8 +125,12 @@ def scoring_config(config: Config, preprocessing: dict[str, Any]) -> Config:
 
     The model decides what a journey is (features, event map, conversion and drop events,
     max_gap, max_events, time zone, epoch unit). Column names describe the file being read,
-    so the current configuration's `data.columns` override the model's per logical name.
+    so the current configuration's `data.columns` override the model's per logical name;
+    when it names none, the model's header and separator describe the file too. A mix
+    that cannot be read is one line (exit 2), not a traceback.
     """
+    from pydantic import ValidationError
+
     from journeys.config import Config
 
     tree = config.model_dump()
@@ -137,12 +141,22 @@ def scoring_config(config: Config, preprocessing: dict[str, Any]) -> Config:
     if "timestamp_unit" in preprocessing:
         data["timestamp_unit"] = preprocessing["timestamp_unit"]
     data["columns"] = {**preprocessing.get("columns", {}), **config.data.columns}
+    if not config.data.columns:
+        for key in ("header", "separator"):
+            data[key] = preprocessing.get(key, data[key])
     for key in ("max_gap", "max_events", "after_conversion"):
         if key in preprocessing:
             journey[key] = preprocessing[key]
     # A log to score may hold no conversion yet: its journeys are the open ones.
     tree["ingest"]["require_conversions"] = False
-    return Config.model_validate(tree)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        problem = err.errors()[0]["msg"].removeprefix("Value error, ")
+        raise ConfigError(
+            f"the model's preprocessing and this configuration disagree on the log to score: "
+            f"{problem}; pass the configuration the model was trained with (--config)"
+        ) from None
 
 
 def release_freed_memory() -> None:
@@ -296,7 +310,8 @@ def score_input(
     """Score a journeys folder, or ingest a raw log with the model's settings and score it.
 
     `attention` None means `score.attention` from the configuration. Returns (rows
-    written, the ingest report when the input was a raw log).
+    written, the ingest report when the input was a raw log). A raw log's quarantined rows
+    go to `<out>-quarantine/` (`quarantine_beside`).
     """
     from journeys.ingest import run_ingest
 
@@ -315,14 +330,20 @@ def score_input(
     out = Path(out)
     ingest_config = scoring_config(config, loaded.preprocessing)
     with scratch_dir(out.parent, "score-ingest") as scratch:
+        # The rows the log's ingest rejects are kept beside the scores, not lost.
         result = run_ingest(
             ingest_config,
             raw=str(input_path),
             journeys_folder=scratch / "journeys",
-            quarantine_folder=scratch / "quarantine",
+            quarantine_folder=quarantine_beside(out),
         )
         rows = score_dataset(loaded, result.journeys_folder, out, **settings)
         return rows, result.report
+
+
+def quarantine_beside(out: Path) -> Path:
+    """Where scoring a raw log keeps the rows its ingest quarantined: `<out>-quarantine`."""
+    return out.with_name(f"{out.name}-quarantine")
 
 
 def score_command(
@@ -410,7 +431,7 @@ def _print_summary(result: ScoreResult) -> None:
         report = result.ingest_report
         print(
             f"  ingested {report['rows_read']:,} raw rows with the model's settings: "
-            f"{report['quarantined_total']:,} quarantined, "
+            f"{report['quarantined_total']:,} quarantined (in {quarantine_beside(result.out)}), "
             f"{report['duplicates_dropped']:,} duplicates, "
             f"{report['dropped_by_config']:,} dropped by config"
         )

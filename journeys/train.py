@@ -203,7 +203,7 @@ def planned_steps(settings: Train, epoch_journeys: float, world_size: int) -> in
 def warn_short_run(settings: Train, epoch_journeys: float, world_size: int) -> None:
     """A run whose warm-up outlasts it never trains at `train.lr`: say so before it starts."""
     steps = planned_steps(settings, epoch_journeys, world_size)
-    if settings.warmup_steps >= steps:
+    if settings.warmup_steps > steps:
         print(
             f"warning: train.warmup_steps ({settings.warmup_steps}) is longer than the whole "
             f"run ({steps} optimiser steps): the learning rate never reaches train.lr; lower "
@@ -368,10 +368,14 @@ def _finish(run: FittedRun) -> TrainResult:
     """Rank 0 after fit: evaluate the best checkpoint, log, register, run baselines, compare."""
     best = run.checkpoint.best_model_path or str(run.checkpoint_dir / LAST_CHECKPOINT)
     print(f"evaluating {best} on val and test, logging the model")
-    # weights_only: a checkpoint is data, never code (torch's safe unpickler).
-    state = torch.load(best, map_location=run.module.device, weights_only=True)["state_dict"]
-    run.module.load_state_dict(state)
-    run.datamodule.setup("test")
+    try:
+        # weights_only: a checkpoint is data, never code (torch's safe unpickler).
+        state = torch.load(best, map_location=run.module.device, weights_only=True)
+        run.module.load_state_dict(state["state_dict"])
+        run.datamodule.setup("test")
+    except BaseException as err:  # the fit's logger closed the run FINISHED already
+        _end_run(run.uri, run.run_id, run_status(err))
+        raise
     evaluation, metrics, registration, model_uri = _log_and_register(run, best)
     root = Path(run.config.paths.checkpoints)
     write_state(root, {**read_state(root), "status": "done"})
@@ -487,9 +491,13 @@ def _run_baselines(run: FittedRun) -> dict[str, BaselineRun]:
 
 
 def _calibrated(scores: dict[str, float]) -> dict[str, float]:
+    """The calibrated row of the comparison: the raw ranking metrics and their intervals
+    (a temperature keeps the order; clipped probabilities would only add ties), the
+    calibrated log loss, Brier score and ECE."""
     calibrated = {f"test_{m}": scores[f"test_{m}_calibrated"] for m in COMPARED_METRICS}
-    intervals = {k: v for k, v in scores.items() if "_ci_" in k}  # ranking is unchanged
-    return calibrated | intervals
+    ranking = {k: v for k, v in scores.items() if k.startswith(("test_roc_auc", "test_pr_auc"))}
+    ranking = {k: v for k, v in ranking.items() if not k.endswith("_calibrated")}
+    return calibrated | ranking
 
 
 def print_comparison(rows: list[tuple[str, dict[str, float]]], sizes: dict[str, int]) -> None:

@@ -202,3 +202,18 @@ def test_journeys_serve_under_sigterm_stops_its_prefect_server(tmp_path: Path) -
     _, alive = psutil.wait_procs(started, timeout=3)
     assert not alive, [p.pid for p in alive]
     assert not _listening(4200)
+
+
+def test_a_command_that_exits_is_not_held_open_by_a_grandchild() -> None:
+    """A grandchild holding the output pipe must not keep the supervisor waiting: the
+    command's exit code comes back at once, and the grandchild is stopped with the group."""
+    import psutil
+
+    lines: list[str] = []
+    script = "import subprocess, sys; subprocess.Popen(['sleep', '60']); print('bye'); sys.exit(3)"
+    started = time.monotonic()
+    code = run_supervised([sys.executable, "-c", script], on_line=lines.append, grace=1.0)
+    assert code == 3 and lines == ["bye"]
+    assert time.monotonic() - started < 10
+    sleepers = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "60"]]
+    assert not sleepers

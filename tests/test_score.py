@@ -236,7 +236,10 @@ def test_raw_log_is_ingested_with_the_model_settings_and_vocabularies(
         "data.conversion_events=[buy]",
     )
     raw = tmp_path / "raw.csv"
-    raw_log().write_csv(raw)
+    bad_row = {"user_id": ["z"], "timestamp": ["not a time"]}  # quarantined, kept beside
+    pl.concat(
+        [raw_log(), raw_log().head(1).with_columns(**{k: pl.lit(v[0]) for k, v in bad_row.items()})]
+    ).write_csv(raw)
     # The current configuration disagrees with the model on purpose: the model wins.
     config = config_for(tmp_path, "data.features=[channel]", "data.conversion_events=[purchase]")
     result = score_command(config, model_uri=str(model), input_path=str(raw))
@@ -250,6 +253,9 @@ def test_raw_log_is_ingested_with_the_model_settings_and_vocabularies(
         quarantine_folder=tmp_path / "q",
     ).journeys.sort("journey_id")
     assert result.rows == scores.height == expected.height == 4  # a's 2 + b's 2, censored too
+    quarantined = pl.read_parquet(tmp_path / "scores-quarantine" / "quarantine.parquet")
+    assert quarantined["user_id"].to_list() == ["z"]
+    assert quarantined["reason"].to_list() == ["bad_timestamp"]
     assert scores["label"].to_list() == expected["label"].to_list()
     assert scores["label"].sum() == 1  # `buy` converted, as the model's settings say
     assert {"channel", "device"} <= set(scores.columns)  # the model's features, not config's
