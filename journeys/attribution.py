@@ -94,21 +94,24 @@ def outcome_expr(schema: pl.Schema) -> pl.Expr:
     )
 
 
-def report_dimensions(schema: pl.Schema, by: list[str] | None) -> list[str]:
-    """The list columns credit is broken down by: `by`, else every feature column of the
-    scores (the lists beside event_type), else event_type. Raise on an unknown one."""
-    lists = [name for name, dtype in schema.items() if isinstance(dtype, pl.List)]
-    features = [
+def score_features(schema: pl.Schema) -> list[str]:
+    """The feature columns of scores: their lists beside the events, times and weights."""
+    not_features = ("event_type", "event_time", "attention", "prefix_probability")
+    return [
         name
-        for name in lists
-        if name not in ("event_type", "event_time", "attention", "prefix_probability")
+        for name, dtype in schema.items()
+        if isinstance(dtype, pl.List) and name not in not_features
     ]
-    dimensions = list(by) if by else (features or ["event_type"])
+
+
+def report_dimensions(features: list[str], by: list[str] | None) -> list[str]:
+    """What credit is broken down by: `by` (features or event_type), else every feature,
+    else event_type. Raise `InputError` on a dimension that is not there."""
+    dimensions = list(by) if by else (list(features) or ["event_type"])
     unknown = [name for name in dimensions if name not in [*features, "event_type"]]
     if unknown:
         raise InputError(
-            f"attribution.by names {unknown}, which the scores do not have "
-            f"(they have {['event_type', *features]})"
+            f"attribution.by names {unknown}, not among the features {list(features)} or event_type"
         )
     return dimensions
 
@@ -432,7 +435,7 @@ def build_report(
 
     settings = settings or Attribution()
     schema = scores.collect_schema()
-    dimensions = report_dimensions(schema, settings.by)
+    dimensions = report_dimensions(score_features(schema), settings.by)
     # All columns stay available (IG re-encodes the journeys); projection pushdown reads
     # only what each query uses.
     journeys = scores.with_columns(outcome_expr(schema))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from journeys.config import Config, load_config
-from journeys.errors import ConfigError, Interrupted, JourneysError
+from journeys.errors import Interrupted, JourneysError
 
 EXIT_BAD_INPUT = 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -104,7 +104,7 @@ def cmd_score(args: argparse.Namespace) -> None:
     The report goes to `--report`, or to `paths.reports` when the scores went to the
     default `paths.scores`: scores written elsewhere never overwrite the main report.
     """
-    from journeys.attribution import attribute_command
+    from journeys.attribution import attribute_command, report_dimensions
     from journeys.datasets import require_input
     from journeys.score import score_command
 
@@ -112,13 +112,8 @@ def cmd_score(args: argparse.Namespace) -> None:
     require_input(
         args.input or config.paths.journeys, "input", "run `journeys ingest` or pass --input"
     )
-    dimensions = set(config.attribution.by or [])
-    unknown = dimensions - {"event_type", *config.data.features}
-    if unknown:  # fail before the scores are replaced, not after
-        raise ConfigError(
-            f"attribution.by names {sorted(unknown)}, not among data.features "
-            f"{list(config.data.features)} or event_type"
-        )
+    # A breakdown that cannot be built fails before the scores are replaced, not after.
+    report_dimensions(config.data.features, config.attribution.by)
     with _locked(config, "score"):
         result = score_command(config, model_uri=args.model, input_path=args.input, out=args.out)
         report = args.report or (None if args.out else config.paths.reports)

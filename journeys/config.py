@@ -359,9 +359,6 @@ class Attribution(Section):
     example_journeys: Annotated[int, Field(ge=0)] = 8  # journeys in the attention heatmap
     seed: int = 0  # which converting journeys IG explains
 
-    def dimensions(self, features: list[str]) -> list[str]:
-        return list(self.by) if self.by else (list(features) or ["event_type"])
-
 
 class Schedule(Section):
     timezone: str = "UTC"

@@ -116,7 +116,10 @@ def split_sizes(folder: str | Path) -> dict[str, dict[str, int]]:
     return {split: sizes.get(split, {"n": 0, "positives": 0}) for split in SPLITS}
 
 
-def small_evaluation_warning(split: str, size: dict[str, int]) -> str:
+def small_evaluation_warning(split: str, size: dict[str, int]) -> str | None:
+    """The warning for an evaluation split with too few conversions to mean much, or None."""
+    if size["positives"] >= MIN_EVALUATION_CONVERSIONS:
+        return None
     return (
         f"warning: the {split} split holds {size['positives']} conversions (of {size['n']:,} "
         f"journeys), fewer than {MIN_EVALUATION_CONVERSIONS}: its metrics mean little (see "
@@ -173,11 +176,8 @@ def check_trainable(
 
 def evaluation_warnings(sizes: dict[str, dict[str, int]]) -> list[str]:
     """A warning for each of val and test with too few conversions to mean much."""
-    return [
-        small_evaluation_warning(split, sizes[split])
-        for split in ("val", "test")
-        if sizes[split]["positives"] < MIN_EVALUATION_CONVERSIONS
-    ]
+    warnings = (small_evaluation_warning(split, sizes[split]) for split in ("val", "test"))
+    return [warning for warning in warnings if warning]
 
 
 # ----------------------------------------------------------------------------- scores

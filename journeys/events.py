@@ -176,7 +176,7 @@ def _from_epoch(value: pl.Expr, unit: str) -> pl.Expr:
     return pl.when(in_range).then(micros.cast(pl.Int64, strict=False)).cast(UTC_US)
 
 
-def _aware(moment: datetime | None, zone: str) -> datetime | None:
+def as_utc(moment: datetime | None, zone: str) -> datetime | None:
     """A configured moment in UTC (read in `zone` when it names none)."""
     if moment is None:
         return None
@@ -269,9 +269,9 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
     rows = pl.concat([_read_file(path, data, columns) for path in sources], how="vertical")
     user = pl.col("user_id").str.strip_chars()
     event = pl.col("event_type").str.strip_chars()
-    valid_from = _aware(data.valid_from, data.timezone)
-    valid_until = _aware(data.valid_until, data.timezone)
-    plausible_from = _aware(data.plausible_from, data.timezone)
+    valid_from = as_utc(data.valid_from, data.timezone)
+    valid_until = as_utc(data.valid_until, data.timezone)
+    plausible_from = as_utc(data.plausible_from, data.timezone)
     plausible_until = datetime.now(UTC) + parse_duration(data.plausible_future)
     implausible = (pl.col(TS) < plausible_from) | (pl.col(TS) > plausible_until)
     out_of_range = pl.lit(False)
@@ -308,6 +308,7 @@ class CleanEvents:
     duplicates_dropped: int
     dropped_by_config: int
     data_end: datetime | None  # latest timestamp, dropped events included
+    event_map_matched: frozenset[str] = frozenset()  # data.event_map keys found in the rows
 
 
 def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
@@ -322,6 +323,10 @@ def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
         subset = [*columns, ROW_HASH] if data.dedupe == "all_columns" else columns
         deduped = rows.unique(subset=subset, keep="first", maintain_order=True)
     event = pl.col("event_type").str.strip_chars()
+    matched = frozenset()
+    if data.event_map:
+        raw_types = deduped.select(event.unique()).get_column("event_type")
+        matched = frozenset(raw_types.filter(raw_types.is_in(list(data.event_map))))
     deduped = deduped.with_columns(
         pl.col("user_id").str.strip_chars(),
         (event.replace(data.event_map) if data.event_map else event).alias("event_type"),
@@ -334,4 +339,5 @@ def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
         duplicates_dropped=rows.height - deduped.height,
         dropped_by_config=deduped.height - kept.height,
         data_end=deduped.get_column(TS).max(),
+        event_map_matched=matched,
     )

@@ -21,10 +21,9 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
-from zoneinfo import ZoneInfo
 
 import polars as pl
 
@@ -39,6 +38,7 @@ from journeys.events import (
     ROW_HASH,
     SOURCE,
     TS,
+    as_utc,
     clean_events,
     scan_events,
     user_bucket,
@@ -140,6 +140,7 @@ class Staged:
     quarantine: list[Path]
     rows_read: int
     sources: list[str]
+    quarantined: dict[str, int] = field(default_factory=dict)  # reason -> rows
 
 
 def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged:
@@ -159,7 +160,11 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
     partitions = [buckets[k] for k in sorted(buckets)]
     files = [f for p in partitions for f in p.glob("*.parquet")] + quarantine
     rows_read = pl.scan_parquet(files).select(pl.len()).collect().item() if files else 0
-    return Staged(folder, partitions, quarantine, rows_read, sources)
+    quarantined = dict.fromkeys(REASONS, 0)
+    if quarantine:
+        counts = pl.scan_parquet(quarantine).group_by(REASON).len().collect()
+        quarantined |= dict(counts.iter_rows())  # type: ignore[arg-type]
+    return Staged(folder, partitions, quarantine, rows_read, sources, quarantined)
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,7 @@ class PartitionResult:
     data_start: datetime | None
     data_end: datetime | None
     conversions: int = 0  # conversion events among the valid rows
+    event_map_matched: frozenset[str] = frozenset()  # data.event_map keys found in the rows
 
 
 def build_partition(partition: Path | None, config: Config, out: Path) -> PartitionResult:
@@ -199,6 +205,7 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
         data_start=clean.events.get_column(TS).min(),
         data_end=clean.data_end,
         conversions=int(clean.events.get_column("event_type").is_in(conversions).sum()),
+        event_map_matched=clean.event_map_matched,
     )
 
 
@@ -332,6 +339,7 @@ def finish(
     ]
     staged_journeys = pl.scan_parquet([p.path for p in parts]).with_columns(flags)
     require_conversions(config, parts, staged_journeys)
+    warn_unmatched_event_map(config, parts)
     ends = staged_journeys.filter(~pl.col(UNSPLIT)).select("end_time").collect().to_series()
     split = split_expr(ends, config.split.fractions)
     labelled = staged_journeys.with_columns(split.alias("split"))
@@ -394,18 +402,16 @@ def check_quarantine(config: Config, staged: Staged, quarantine_folder: Path) ->
     """Stop (InputError) when more than `ingest.max_quarantined_share` of the rows read
     were quarantined: the configuration, not the data, is almost surely wrong. The
     quarantine is written first so the user can look; the journeys stay as they were."""
-    if not staged.quarantine or staged.rows_read == 0:
+    total = sum(staged.quarantined.values())
+    if total == 0 or total / staged.rows_read <= config.ingest.max_quarantined_share:
         return
-    quarantine = pl.scan_parquet(staged.quarantine)
-    counts = quarantine.group_by(REASON).len().sort("len", descending=True).collect()
-    total = int(counts.get_column("len").sum())
     share = total / staged.rows_read
-    if share <= config.ingest.max_quarantined_share:
-        return
     write_quarantine(config, staged, quarantine_folder)
-    reason = str(counts.item(0, REASON))
-    parsed = quarantine.filter(pl.col(REASON) == reason).select(
-        low=pl.col(TS).min(), high=pl.col(TS).max()
+    reason = max(staged.quarantined, key=staged.quarantined.__getitem__)
+    parsed = (
+        pl.scan_parquet(staged.quarantine)
+        .filter(pl.col(REASON) == reason)
+        .select(low=pl.col(TS).min(), high=pl.col(TS).max())
     )
     low, high = parsed.collect().row(0)
     seen = f" (timestamps parsed to {low:%Y-%m-%d} .. {high:%Y-%m-%d})" if low else ""
@@ -417,17 +423,9 @@ def check_quarantine(config: Config, staged: Staged, quarantine_folder: Path) ->
     )
 
 
-def warn_unmatched_event_map(config: Config, staged: Staged) -> None:
+def warn_unmatched_event_map(config: Config, parts: list[PartitionResult]) -> None:
     """A `data.event_map` key that matches no event type is probably misspelt: warn."""
-    if not config.data.event_map or not staged.partitions:
-        return
-    files = [f for p in staged.partitions for f in p.glob("*.parquet")]
-    seen = set(
-        pl.scan_parquet(files)
-        .select(pl.col("event_type").str.strip_chars().unique())
-        .collect()
-        .get_column("event_type")
-    )
+    seen = frozenset().union(*(p.event_map_matched for p in parts))
     unmatched = sorted(set(config.data.event_map) - seen)
     if unmatched:
         print(
@@ -462,12 +460,9 @@ def require_conversions(
 
 def observation_end(config: Config, data_end: datetime | None) -> datetime | None:
     """Where censoring counts from: `data.observed_until`, else the last event."""
-    observed = config.data.observed_until
+    observed = as_utc(config.data.observed_until, config.data.timezone)
     if observed is None:
         return data_end
-    if observed.tzinfo is None:
-        observed = observed.replace(tzinfo=ZoneInfo(config.data.timezone))
-    observed = observed.astimezone(UTC)
     if data_end is not None and observed < data_end:
         raise InputError(
             f"data.observed_until ({observed:%Y-%m-%d %H:%M}) is before the last event "
@@ -488,11 +483,7 @@ def make_report(
     staged: Staged, parts: list[PartitionResult], summary: pl.DataFrame, data_end: datetime | None
 ) -> dict[str, Any]:
     """The ingest report; checks the row-accounting invariant before anything is written."""
-    quarantined = dict.fromkeys(REASONS, 0)
-    if staged.quarantine:
-        counts = pl.scan_parquet(staged.quarantine).group_by(REASON).len().collect()
-        for reason, count in counts.iter_rows():
-            quarantined[reason] = count
+    quarantined = staged.quarantined
     totals = {name: sum(getattr(p, name) for p in parts) for name in (
         "rows_valid", "duplicates_dropped", "dropped_by_config", "dropped_after_conversion",
         "conversions_without_journey", "users",
@@ -577,7 +568,6 @@ def run_ingest(
     with scratch_dir(journeys_folder.parent, "ingest") as scratch:
         staged = stage(config, scratch / "staged", raw)
         check_quarantine(config, staged, quarantine_folder)
-        warn_unmatched_event_map(config, staged)
         built = scratch / "built"
         built.mkdir()
         partitions: list[Path | None] = list(staged.partitions) or [None]

@@ -54,6 +54,7 @@ from journeys.datasets import (
     is_journeys_dataset,
     iter_chunks,
     parquet_parts,
+    require_input,
     scores_metadata,
     scores_schema,
     scoring_columns,
@@ -325,8 +326,7 @@ def score_input(
     )
     if is_journeys_dataset(source):
         return score_dataset(loaded, source, out, **settings), None
-    if not any(ch in str(input_path) for ch in "*?[") and not source.exists():
-        raise InputError(f"input not found: {source.absolute()}")
+    require_input(input_path, "input", "pass a journeys folder or a raw event log")
     out = Path(out)
     ingest_config = scoring_config(config, loaded.preprocessing)
     with scratch_dir(out.parent, "score-ingest") as scratch:

@@ -46,7 +46,6 @@ from journeys import metrics as M
 from journeys import packaging, plots, tracking
 from journeys.data import fraction_of_negatives, model_config_from
 from journeys.datasets import (
-    MIN_EVALUATION_CONVERSIONS,
     SPLITS,
     check_trainable,
     evaluation_warnings,
@@ -495,9 +494,8 @@ def _calibrated(scores: dict[str, float]) -> dict[str, float]:
     (a temperature keeps the order; clipped probabilities would only add ties), the
     calibrated log loss, Brier score and ECE."""
     calibrated = {f"test_{m}": scores[f"test_{m}_calibrated"] for m in COMPARED_METRICS}
-    ranking = {k: v for k, v in scores.items() if k.startswith(("test_roc_auc", "test_pr_auc"))}
-    ranking = {k: v for k, v in ranking.items() if not k.endswith("_calibrated")}
-    return calibrated | ranking
+    ranking = [f"test_{m}{end}" for m in M.INTERVAL_METRICS for end in ("", "_ci_low", "_ci_high")]
+    return calibrated | {name: scores[name] for name in ranking}
 
 
 def print_comparison(rows: list[tuple[str, dict[str, float]]], sizes: dict[str, int]) -> None:
@@ -514,5 +512,5 @@ def print_comparison(rows: list[tuple[str, dict[str, float]]], sizes: dict[str, 
     for model, scores in rows:
         table.add_row(model, *(M.format_metric(scores, m) for m in COMPARED_METRICS))
     Console(width=max(120, int(os.environ.get("COLUMNS", "120")))).print(table)
-    if sizes["positives"] < MIN_EVALUATION_CONVERSIONS:
-        print(small_evaluation_warning("test", sizes))
+    if warning := small_evaluation_warning("test", sizes):
+        print(warning)
