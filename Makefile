@@ -9,7 +9,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: run test lint bench setup clean
+.PHONY: run test lint bench setup postgres clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	else \
 	  $(BIN)/python -m pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev,postgres]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -35,6 +35,11 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check journeys flows tests benchmarks scripts
 	$(BIN)/ruff format --check journeys flows tests benchmarks scripts
+
+# The PostgreSQL server the shared-servers tests start a throwaway cluster of (Debian's
+# package, where missing; .ci/run runs this before the tests).
+postgres:
+	bash scripts/install_postgres.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev,bench]"

@@ -29,7 +29,8 @@ from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
 from flows.pipeline import ingest_flow, pipeline_flow, score_flow, train_flow
-from journeys.config import Config
+from journeys import tracking
+from journeys.config import Config, redact_uri
 from journeys.errors import JourneysError
 from journeys.processes import stop_group
 
@@ -140,8 +141,11 @@ def serve_command(config: Config) -> None:
     from prefect import serve
 
     deployments = build_deployments(config)
+    # The deployments' parameters hold the configuration redacted: the flow-run processes
+    # serve starts reach the MLflow store through the environment they inherit.
+    os.environ.update(tracking.tracking_environment(config))
     with prefect_server() as api_url:
-        ui = api_url.removesuffix("/api")
+        ui = redact_uri(api_url.removesuffix("/api"))
         tz = config.schedule.timezone
         print(f"serving {len(deployments)} deployments; runs and schedules at {ui} (Ctrl+C stops)")
         for deployment in deployments:

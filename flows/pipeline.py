@@ -58,7 +58,7 @@ from flows.settings import (
 )
 from journeys import ingest as ingest_lib
 from journeys import tracking
-from journeys.config import Config
+from journeys.config import Config, redact_uri
 from journeys.errors import InputError, JourneysError
 from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
 from journeys.processes import run_supervised
@@ -365,7 +365,13 @@ def train_in_subprocess(config: Config, resume: bool, timeout: float) -> str:
         command.append("--resume")
     logger.info("training in its own process: %s", " ".join(command))
     # The flow holds the data folder's lock for this stage; the child must not wait for it.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", HELD_ENV: str(lock_path(config))}
+    # The YAML above is redacted: the child reaches the store through its environment.
+    env = {
+        **os.environ,
+        **tracking.tracking_environment(config),
+        "PYTHONUNBUFFERED": "1",
+        HELD_ENV: str(lock_path(config)),
+    }
     last = ""
 
     def log_line(line: str) -> None:
@@ -373,7 +379,7 @@ def train_in_subprocess(config: Config, resume: bool, timeout: float) -> str:
         line = line.rstrip()
         if line and (not TQDM_UPDATE.search(line) or "100%" in line):
             logger.info(line)
-            last = line
+            last = redact_uri(line)  # it may end up in the failed state's message
 
     try:
         code = run_supervised(command, env, timeout, log_line)
@@ -428,7 +434,7 @@ def train_flow(
         "train",
         config,
         train_task,
-        inputs=lambda: StageInputs(files_under(config.paths.journeys), [uri]),
+        inputs=lambda: StageInputs(files_under(config.paths.journeys), [redact_uri(uri)]),
         fresh=lambda key: train_outputs_exist(config, key),
         markdown=text.train_markdown,
         description="Training run",
@@ -527,6 +533,18 @@ def attribution_flow(
 # ----------------------------------------------------------------------------- pipeline
 
 
+def servers_used(config: Config) -> dict[str, str | None]:
+    """The MLflow store and Prefect API this run used (passwords redacted); None: the
+    temporary Prefect server a run starts when no `PREFECT_API_URL` is set."""
+    from prefect.settings import get_current_settings
+
+    api = get_current_settings().api.url
+    return {
+        "mlflow": redact_uri(tracking.tracking_uri(config)),
+        "prefect": redact_uri(str(api)) if api else None,
+    }
+
+
 @flow(name="pipeline")
 def pipeline_flow(
     config: Config | None = None,
@@ -545,12 +563,30 @@ def pipeline_flow(
         "score": score_flow(config=config, attribute=False),
         "attribution": attribution_flow(config=config),
         "paths": config.paths.model_dump(),
+        "servers": servers_used(config),
     }
     summary["seconds"] = time.perf_counter() - started
     create_markdown_artifact(
         text.pipeline_markdown(summary), key="journeys-pipeline", description="Pipeline run"
     )
     return summary
+
+
+class RedactPasswords(logging.Filter):
+    """Run logs go to the Prefect database: a password inside a URI in a message or a
+    traceback (a failing connection string, say) is redacted before any handler sees it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact_uri(record.getMessage()), None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_uri(record.exc_text)
+        return True
+
+
+for _run_logger in ("prefect.flow_runs", "prefect.task_runs"):  # what get_run_logger uses
+    logging.getLogger(_run_logger).addFilter(RedactPasswords())
 
 
 @contextlib.contextmanager

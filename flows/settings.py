@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from journeys.config import Config, Orchestration, load_config
-from journeys.errors import JourneysError
+from journeys.config import Config, Orchestration, is_redacted, load_config
+from journeys.errors import ConfigError, JourneysError
 
 if TYPE_CHECKING:
     from prefect.task_runners import TaskRunner
@@ -34,6 +34,11 @@ def make_task_runner(settings: Orchestration) -> TaskRunner:
             "orchestration.task_runner=dask needs prefect-dask: pip install 'journeys[dask]'"
         ) from None
     if settings.dask_address:
+        if is_redacted(settings.dask_address):  # a configuration read back from JSON
+            raise ConfigError(
+                f"orchestration.dask_address {settings.dask_address} has its password "
+                "redacted: authenticate to Dask with TLS certificates (tls://), not a password"
+            )
         return DaskTaskRunner(address=settings.dask_address)
     cluster = {"n_workers": settings.max_workers} if settings.max_workers else {}
     return DaskTaskRunner(cluster_kwargs=cluster)

@@ -7,10 +7,26 @@ from typing import Any
 from journeys.metrics import format_metric
 
 METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
-MLFLOW_UI = "journeys ui  (MLflow on http://127.0.0.1:5000)"
-PREFECT_UI = (
+LOCAL_MLFLOW_UI = "journeys ui  (MLflow UI for {store} on http://127.0.0.1:5000)"
+LOCAL_PREFECT_UI = (
     "prefect server start  (Prefect UI on http://127.0.0.1:4200: runs, deployments, artifacts)"
 )
+
+
+def mlflow_ui(servers: dict[str, str | None]) -> str:
+    """Where to see the runs: the tracking server used, else how to open a UI on the store."""
+    uri = servers.get("mlflow") or ""
+    if uri.startswith(("http://", "https://")):
+        return f"{uri}  (runs, models, champion)"
+    return LOCAL_MLFLOW_UI.format(store=uri or "the configured store")
+
+
+def prefect_ui(servers: dict[str, str | None]) -> str:
+    """Where to see the flow runs: the Prefect server used, else how to start one."""
+    api = servers.get("prefect")
+    if api:
+        return f"{api.rstrip('/').removesuffix('/api')}  (runs, deployments, artifacts)"
+    return LOCAL_PREFECT_UI
 
 
 def _cached(stage: dict[str, Any]) -> str:
@@ -134,7 +150,7 @@ def pipeline_markdown(summary: dict[str, Any]) -> str:
         "",
         attribution_markdown(summary["attribution"]),
         "",
-        f"Open MLflow with `{MLFLOW_UI}`.",
+        f"MLflow: `{mlflow_ui(summary.get('servers', {}))}`.",
     ]
     return "\n".join(parts)
 
@@ -172,7 +188,7 @@ def console_summary(summary: dict[str, Any]) -> str:
         f"(this run's model: version {train.get('model_version')}, {decision})",
         f"  scores{_cached(score)}: {score['rows']:,} journeys in {score['out']}",
         f"  attribution report{_cached(attribution)}: {attribution['out']}",
-        f"  MLflow:  {MLFLOW_UI}",
-        f"  Prefect: {PREFECT_UI}",
+        f"  MLflow:  {mlflow_ui(summary.get('servers', {}))}",
+        f"  Prefect: {prefect_ui(summary.get('servers', {}))}",
     ]
     return "\n".join(lines)

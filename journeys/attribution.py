@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
+from journeys.config import redact_uri
 from journeys.datasets import MISSING_VALUE, read_metadata, scan_scores
 from journeys.errors import InputError, first_line
 from journeys.plots import plot_credit, plot_examples, plot_position
@@ -609,7 +610,7 @@ def _load_scoring_model(metadata: dict[str, Any], store: str) -> LoadedModel | N
     if match and metadata.get("model_version"):
         uri = f"models:/{match['name']}/{metadata['model_version']}"
     if uri.startswith(("models:/", "runs:/")) and not tracking_ready(store):
-        _warn(f"no MLflow store at {store}: integrated gradients skipped")
+        _warn(f"no MLflow store at {redact_uri(store)}: integrated gradients skipped")
         return None
     try:
         return load_model(uri, tracking_uri=store)

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from journeys.config import Config, load_config
+from journeys.config import Config, load_config, redact_uri
 from journeys.errors import Interrupted, JourneysError
 
 EXIT_BAD_INPUT = 2
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.handler(args)
     except JourneysError as err:
-        print(f"journeys {args.command}: error: {err}", file=sys.stderr)
+        print(f"journeys {args.command}: error: {redact_uri(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (Interrupted, KeyboardInterrupt) as stop:
         code = stop.exit_code if isinstance(stop, Interrupted) else 128 + signal.SIGINT

@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
@@ -30,11 +31,24 @@ DEFAULT_CONFIG = Path("conf/default.yaml")
 
 # `scheme://user:password@host` -> `scheme://user:***@host`, for anything logged or printed.
 _URI_PASSWORD = re.compile(r"(://[^/:@\s]+):[^@/\s]+@")
+REDACTED = "***"
 
 
 def redact_uri(text: str) -> str:
     """Hide passwords embedded in URIs (tracking servers, databases)."""
-    return _URI_PASSWORD.sub(r"\1:***@", text)
+    return _URI_PASSWORD.sub(rf"\1:{REDACTED}@", text)
+
+
+def is_redacted(uri: str) -> bool:
+    """A URI whose password was replaced by `redact_uri`: it cannot connect anywhere."""
+    return f":{REDACTED}@" in uri
+
+
+# A URI that may carry a password. In memory it is the real value; its JSON form (flow
+# parameters, cached results, MLflow params, the YAML a child process reads) is redacted,
+# so the password never leaves this process through the configuration. Processes this
+# one starts get the real URI in their environment instead (see `tracking.tracking_uri`).
+SecretUri = Annotated[str, PlainSerializer(redact_uri, when_used="json")]
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
@@ -338,7 +352,7 @@ class Train(Section):
 
 
 class Mlflow(Section):
-    tracking_uri: str = "sqlite:///mlflow.db"
+    tracking_uri: SecretUri = "sqlite:///mlflow.db"
     experiment: str = "journeys"
     registered_model: str = "journey-conversion"
 
@@ -372,7 +386,7 @@ class Orchestration(Section):
 
     task_runner: Literal["thread", "process", "dask"] = "thread"
     max_workers: Annotated[int, Field(ge=1)] | None = 2  # memory ~ max_workers x one partition
-    dask_address: str | None = None  # tcp://scheduler:8786; None starts a local Dask cluster
+    dask_address: SecretUri | None = None  # tcp://scheduler:8786; None: a local Dask cluster
     retries: Annotated[int, Field(ge=0)] = 2
     retry_delay_s: Annotated[float, Field(ge=0)] = 10.0
     task_timeout: Duration = "12h"

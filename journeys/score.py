@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from journeys.config import redact_uri
 from journeys.datasets import (
     OPTIONAL_COLUMNS,
     PART_FILE,
@@ -366,7 +367,9 @@ def score_command(
     uri = model_uri or default_model_uri(config)
     store = tracking_uri(config)
     if uri.startswith(("models:/", "runs:/")) and not tracking_ready(store):
-        raise InputError(f"model {uri} not found: no MLflow store at {store} (train first)")
+        raise InputError(
+            f"model {uri} not found: no MLflow store at {redact_uri(store)} (train first)"
+        )
     loaded = load_model(uri, tracking_uri=store)
     source = str(input_path or config.paths.journeys)
     out = Path(out or config.paths.scores)
@@ -459,7 +462,10 @@ class ScoringRun:
             run = client.create_run(experiment, run_name="score", tags={STAGE_TAG: "score"})
             return cls(client, run.info.run_id)
         except Exception as err:  # tracking is optional; scoring must not fail on it
-            _warn(f"not logging the scoring run to MLflow ({uri}): {first_line(err)}")
+            _warn(
+                f"not logging the scoring run to MLflow ({redact_uri(uri)}): "
+                f"{redact_uri(first_line(err))}"
+            )
             return None
 
     def log(self, result: ScoreResult) -> None:

@@ -1,7 +1,8 @@
 """MLflow: where runs go, what every run logs, the registry's champion rule, and the UI.
 
 The tracking URI comes from `mlflow.tracking_uri` unless `MLFLOW_TRACKING_URI`
-is set; runs go to experiment `mlflow.experiment`; the registered model is
+is set (a password in it is never written anywhere: see `config.SecretUri`); runs go to
+experiment `mlflow.experiment`; the registered model is
 `mlflow.registered_model` and its alias `champion` only moves to a version whose
 `test_roc_auc` beats the current champion's.
 
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from journeys.config import Config, redact_uri
+from journeys.config import Config, is_redacted, redact_uri
 from journeys.datasets import REPORT_FILE
-from journeys.errors import InputError, JourneysError
+from journeys.errors import ConfigError, InputError, JourneysError
 from journeys.processes import run_supervised
 
 if TYPE_CHECKING:
@@ -48,7 +49,19 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def tracking_uri(config: Config) -> str:
     """`MLFLOW_TRACKING_URI` if set, else `mlflow.tracking_uri` from the config."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.mlflow.tracking_uri
+    if is_redacted(uri):  # a config that went through JSON (a flow parameter, say)
+        raise ConfigError(
+            f"tracking URI {uri} has its password redacted: give the real one in the "
+            "environment of this process (MLFLOW_TRACKING_URI, or PGPASSWORD for PostgreSQL)"
+        )
+    return uri
+
+
+def tracking_environment(config: Config) -> dict[str, str]:
+    """The environment a child process needs to reach the same store: the configuration it
+    reads is redacted, so the real URI travels in its environment, never in a file."""
+    return {"MLFLOW_TRACKING_URI": tracking_uri(config)}
 
 
 def tracking_ready(uri: str) -> bool:
@@ -147,7 +160,10 @@ def log_config(client: MlflowClient, run_id: str, config: Config) -> None:
 
     logged = client.get_run(run_id).data.params
     params, tags = [], []
-    for key, value in config.flat().items():
+    values = config.flat()
+    # The store actually used (MLFLOW_TRACKING_URI wins over the config), redacted.
+    values["mlflow.tracking_uri"] = redact_uri(tracking_uri(config))
+    for key, value in values.items():
         if key not in logged:
             params.append(Param(key, value))
         elif logged[key] != value:
@@ -307,7 +323,7 @@ def training_summary(uri: str, run_id: str, registered_model: str) -> dict[str, 
     return {
         "run_id": run_id,
         "experiment_id": run.info.experiment_id,
-        "tracking_uri": uri,
+        "tracking_uri": redact_uri(uri),
         "registered_model": registered_model,
         "model_version": int(version) if version else None,
         "champion_version": int(champion.version) if champion else None,

@@ -44,6 +44,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from journeys import metrics as M
 from journeys import packaging, plots, tracking
+from journeys.config import redact_uri
 from journeys.data import fraction_of_negatives, model_config_from
 from journeys.datasets import (
     SPLITS,
@@ -228,7 +229,9 @@ def _start_run(config: Config, uri: str, resume: bool) -> tuple[str, str, Path]:
         try:
             run = client.get_run(state["run_id"])
         except MlflowException:
-            raise JourneysError(f"cannot resume: run {state['run_id']} is not in {uri}") from None
+            raise JourneysError(
+                f"cannot resume: run {state['run_id']} is not in {redact_uri(uri)}"
+            ) from None
         run_id, experiment_id = run.info.run_id, run.info.experiment_id
         print(f"resuming MLflow run {run_id} from {state['checkpoint_dir']}")
         tracking.log_config(client, run_id, config)
@@ -244,7 +247,7 @@ def _start_run(config: Config, uri: str, resume: bool) -> tuple[str, str, Path]:
             "run_id": run_id,
             "experiment_id": experiment_id,
             "checkpoint_dir": str(checkpoint_dir),
-            "tracking_uri": uri,
+            "tracking_uri": redact_uri(uri),  # a record for people: never a password on disk
             "status": "training",
         },
     )

@@ -6,6 +6,7 @@ docs/reliability.md maps each threat to the test here that covers it.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -17,7 +18,7 @@ import polars as pl
 import pytest
 
 from journeys.cli import main
-from journeys.config import load_config
+from journeys.config import Config, load_config
 from journeys.pipeline_lock import LOCK_FILE
 from tests.test_reliability import ENV, cli, journeys_dataset, one_line, path_args
 
@@ -225,6 +226,78 @@ def test_tracking_uri_password_is_not_in_logged_params() -> None:
     """The params every training run logs (`config.flat()`) never carry a password."""
     config = load_config(None, [f"mlflow.tracking_uri={URI_WITH_PASSWORD}"])
     assert not any(SECRET in value for value in config.flat().values())
+
+
+def test_configuration_leaves_the_process_without_its_passwords(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The JSON form of a config (flow parameters, deployments, the YAML a training child
+    reads) redacts URI passwords while the object in memory keeps them; a config read back
+    from that form cannot connect and says where the real URI goes, one line."""
+    import yaml
+    from fastapi.encoders import jsonable_encoder  # what Prefect stores parameters with
+
+    from journeys.errors import ConfigError
+    from journeys.tracking import tracking_environment, tracking_uri
+
+    dask = f"tcp://bob:{SECRET}@127.0.0.1:8786"
+    config = load_config(
+        None, [f"mlflow.tracking_uri={URI_WITH_PASSWORD}", f"orchestration.dask_address={dask}"]
+    )
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking_uri(config) == URI_WITH_PASSWORD  # in memory: the real one
+    assert tracking_environment(config) == {"MLFLOW_TRACKING_URI": URI_WITH_PASSWORD}
+    for form in (config.model_dump(mode="json"), jsonable_encoder(config)):
+        text = json.dumps(form)
+        assert SECRET not in text and "alice:***@127.0.0.1:9" in text and "bob:***@" in text
+    read_back = Config.model_validate(
+        yaml.safe_load(yaml.safe_dump(config.model_dump(mode="json")))
+    )
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI") as error:
+        tracking_uri(read_back)
+    assert "\n" not in str(error.value) and SECRET not in str(error.value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", URI_WITH_PASSWORD)  # as a child process gets it
+    assert tracking_uri(read_back) == URI_WITH_PASSWORD
+
+
+def test_run_logs_redact_passwords_before_prefect_stores_them() -> None:
+    """Messages and tracebacks logged on Prefect's run loggers (which go to its database)
+    lose URI passwords, whoever logs them (the engine's 'View at <url>' line included)."""
+    import logging
+
+    import flows.pipeline  # noqa: F401  (installs the filter)
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(self.format(record))
+
+    logger = logging.getLogger("prefect.task_runs")
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        logger.warning("View at %s/runs", URI_WITH_PASSWORD)
+        try:
+            raise RuntimeError(f"cannot connect to {URI_WITH_PASSWORD}")
+        except RuntimeError:
+            logger.exception("failed")
+    finally:
+        logger.removeHandler(handler)
+    assert len(seen) == 2 and "alice:***@" in seen[0] and "cannot connect" in seen[1]
+    assert not any(SECRET in line for line in seen)
+
+
+def test_pipeline_summary_names_the_servers_used() -> None:
+    """The closing summary points at the MLflow server and Prefect API the run used."""
+    from flows.summary import mlflow_ui, prefect_ui
+
+    servers = {"mlflow": "http://mlflow.internal:5000", "prefect": "http://prefect:4200/api"}
+    assert mlflow_ui(servers).startswith("http://mlflow.internal:5000")
+    assert prefect_ui(servers).startswith("http://prefect:4200 ")
+    local = {"mlflow": "sqlite:///mlflow.db", "prefect": None}
+    assert "journeys ui" in mlflow_ui(local) and "sqlite:///mlflow.db" in mlflow_ui(local)
+    assert "prefect server start" in prefect_ui(local)
 
 
 def test_tracking_uri_password_is_not_in_error_messages(tmp_path: Path) -> None:

@@ -105,6 +105,15 @@ def test_resumed_run_keeps_its_params_and_tags_changed_values(mlflow_env) -> Non
     assert run.data.tags["resume_override.train.max_epochs"] == "5"
 
 
+def test_params_record_the_store_actually_used(mlflow_env) -> None:
+    """`MLFLOW_TRACKING_URI` wins over the config: the run's `mlflow.tracking_uri` param
+    says which store it really went to, not the config's value."""
+    client = MlflowClient(mlflow_env)
+    run_id = client.create_run(tracking.get_experiment_id(mlflow_env, "journeys")).info.run_id
+    tracking.log_config(client, run_id, load_config(None, ["mlflow.tracking_uri=sqlite:///x.db"]))
+    assert client.get_run(run_id).data.params["mlflow.tracking_uri"] == mlflow_env
+
+
 def test_champion_moves_on_improvement_and_stays_on_regression(mlflow_env) -> None:
     import mlflow
 

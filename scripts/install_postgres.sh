@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Make sure a PostgreSQL server (initdb, pg_ctl) is installed, for the shared-servers tests
+# (tests/test_shared_servers.py starts its own throwaway cluster on 127.0.0.1).
+# Installs Debian's package where it is missing; says so and exits 0 where it cannot, and
+# those tests then skip with the reason.
+set -uo pipefail
+if command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  exit 0
+fi
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "installing PostgreSQL (apt-get install postgresql) for the shared-servers tests"
+  export DEBIAN_FRONTEND=noninteractive
+  if (apt-get install -y -q postgresql >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q postgresql >/dev/null 2>&1)); then
+    exit 0
+  fi
+fi
+echo "PostgreSQL could not be installed here: tests/test_shared_servers.py will skip"
+exit 0
