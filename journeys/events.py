@@ -125,7 +125,7 @@ def _scan(path: Path, fmt: str, data: Data) -> pl.LazyFrame:
     return pl.scan_parquet(path)
 
 
-def _parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
+def parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
     """Any contract timestamp form -> datetime[us, UTC]; unparseable values become null."""
     if isinstance(dtype, pl.Datetime):
         if dtype.time_zone is None:
@@ -252,7 +252,7 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
         extra.append(row_hash.alias(ROW_HASH))
     return frame.with_row_index(index, offset=1).select(
         *[expr.cast(pl.String).alias(logical) for logical, (expr, _) in columns.items()],
-        _parse_timestamp(ts_raw, ts_type, data).alias(TS),
+        parse_timestamp(ts_raw, ts_type, data).alias(TS),
         pl.lit(str(path)).alias(SOURCE),
         pl.col(index).cast(pl.Int64).alias(ROW),
         *extra,

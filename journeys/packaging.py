@@ -12,6 +12,9 @@ A model is five plain files:
 They are logged as the artifacts of an MLflow models-from-code pyfunc
 (`journeys/pyfunc_model.py`), so the model is registrable and servable, while
 `load_model` reads the files directly: JSON and safetensors, never pickle.
+
+The logged pyfunc carries a signature and an input example (`journeys.serving`), so
+`mlflow models serve` takes journeys as JSON (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -150,6 +153,11 @@ def log_model(
     """
     import mlflow
 
+    from journeys import serving
+
+    # MLflow serves the input example through the logged model once, reading its files
+    # back: per-file progress bars would be noise in the training output.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     with tempfile.TemporaryDirectory(prefix="journeys-model-") as tmp:
         files = save_model_files(tmp, model, vocabs, preprocessing, temperature)
         return mlflow.pyfunc.log_model(
@@ -158,6 +166,11 @@ def log_model(
             artifacts={name: str(path) for name, path in files.items()},
             # Explicit requirements: inferring them would load the model in a subprocess.
             pip_requirements=_requirements(),
+            # Explicit signature: inferring it from the example would run the model once
+            # more. MLflow still loads the model in-process and serves the example through
+            # it (`_validate_serving_input`, a fraction of a second), warning if it fails.
+            signature=serving.signature(preprocessing, causal=bool(model.config.causal)),
+            input_example=serving.example(vocabs),
         )
 
 

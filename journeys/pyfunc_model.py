@@ -5,9 +5,13 @@ MLflow copies this file into the logged model and runs it on `mlflow.pyfunc.load
 `journeys.packaging.load_model_files`. Nothing is pickled, so the model loads with
 `MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false`.
 
-`predict` takes journeys in the ingest schema (a Polars or pandas DataFrame, or a list of
-dicts, with `event_type`, `event_time` and one list column per feature) and returns a
-pandas DataFrame with `conversion_probability` (temperature-calibrated).
+`predict` takes journeys, one row per journey (a pandas or Polars DataFrame, records, or
+the JSON body `mlflow models serve` receives): `event_type`, `event_time` (ISO 8601 text
+or epoch numbers) and one list column per feature (`journeys.serving`). Per journey it returns what `journeys score` writes for it,
+through the same `score_frame`: `conversion_probability` (temperature-calibrated),
+`n_events` (the most recent events the model read), `attention` (one weight per event
+read) and, for causal models, `prefix_probability`. Bad input raises an `MlflowException`
+with one line, which the scoring server answers with HTTP 400 (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from mlflow.models import set_model
 
 
 class JourneyConversionModel(mlflow.pyfunc.PythonModel):
-    # Journeys are nested lists, validated by `encode_journeys`; this opts out of MLflow's
-    # type-hint input validation (and its "add type hints" warning), as its ChatModel does.
+    # Journeys are nested lists, validated by `journeys_from_request`; this opts out of
+    # MLflow's type-hint input validation (and its "add type hints" warning), as its
+    # ChatModel does. The logged signature describes the columns instead, so `predict`
+    # carries no type hints either: MLflow would try to infer a schema from them and log
+    # "Unsupported type hint" at every save and load.
     _skip_type_hint_validation = True
 
     def load_context(self, context: Any) -> None:
@@ -29,18 +36,28 @@ class JourneyConversionModel(mlflow.pyfunc.PythonModel):
 
         self.loaded = load_model_files(Path(context.artifacts[WEIGHTS]).parent)
 
-    def predict(self, context, model_input, params=None):
-        import pandas as pd
+    def predict(self, context, model_input, params=None):  # -> pandas.DataFrame
         import polars as pl
+        from mlflow.exceptions import MlflowException
 
-        if isinstance(model_input, pl.DataFrame):
-            frame = model_input
-        elif isinstance(model_input, pd.DataFrame):
-            frame = pl.from_pandas(model_input)
-        else:
-            frame = pl.DataFrame(model_input)
-        probs = self.loaded.predict_proba(frame)
-        return pd.DataFrame({"conversion_probability": probs})
+        from journeys.config import Score
+        from journeys.errors import JourneysError, first_line
+        from journeys.score import score_frame
+        from journeys.serving import SERVED_COLUMNS, journeys_from_request
+
+        loaded = self.loaded
+        try:
+            frame = journeys_from_request(
+                model_input, loaded.vocabs.features, loaded.preprocessing.get("timezone", "UTC")
+            )
+        except JourneysError as err:
+            # Only an MlflowException keeps its message: the scoring server answers any
+            # other exception with a generic 400 and the message buried in a stack trace.
+            raise MlflowException.invalid_parameter_value(first_line(err)) from None
+        # score_frame copies ids through to the scores; a request has none.
+        ids = [pl.lit(None, pl.String).alias(name) for name in ("journey_id", "user_id")]
+        scored = score_frame(loaded, frame.with_columns(ids), attention=Score().attention)
+        return scored.select(c for c in SERVED_COLUMNS if c in scored.columns).to_pandas()
 
 
 set_model(JourneyConversionModel())

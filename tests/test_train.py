@@ -128,7 +128,8 @@ def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, m
     # The registered pyfunc flavour loads too (models-from-code: no pickled object).
     with use_tracking_uri(uri):
         pyfunc = mlflow.pyfunc.load_model(f"models:/journey-conversion/{result.model_version}")
-    scored = pyfunc.predict(test.head(5))
+    # With a signature MLflow checks the input first, and it takes pandas (what it serves).
+    scored = pyfunc.predict(test.head(5).to_pandas())
     expected = loaded.predict_proba(test.head(5))
     np.testing.assert_allclose(scored["conversion_probability"].to_numpy(), expected, atol=1e-6)
 
