@@ -78,14 +78,25 @@ def ingest_markdown(report: dict[str, Any], journeys: str, quarantine: str) -> s
     )
 
 
+def baselines_ahead(train: dict[str, Any]) -> str | None:
+    """A warning when baselines beat the transformer beyond its interval (None if none)."""
+    ahead = train.get("baselines_ahead") or []
+    if not ahead:
+        return None
+    names = ", ".join(f"baseline_{name}" for name in ahead)
+    return f"{names} beat the transformer beyond its 95% interval: prefer the baseline, or improve the transformer"
+
+
 def train_markdown(train: dict[str, Any]) -> str:
     decision = "promoted to champion" if train.get("promoted") else "champion unchanged"
+    warning = baselines_ahead(train)
     return "\n".join(
         [
             "Test metrics on the same time-based test split:",
             "",
             metrics_markdown(train),
             "",
+            *([f"**Warning**: {warning}.", ""] if warning else []),
             f"Model version **{train.get('model_version')}** of "
             f"`{train.get('registered_model')}` ({decision}); champion version: "
             f"**{train.get('champion_version')}**.",
@@ -184,6 +195,7 @@ def console_summary(summary: dict[str, Any]) -> str:
         f"({ingest['journeys_converted']:,} converted, {ingest['journeys_censored']:,} censored)",
         f"  train{_cached(train)}: test metrics, transformer against the baselines:",
         *table,
+        *([f"  warning: {warning}"] if (warning := baselines_ahead(train)) else []),
         f"  champion: {train.get('registered_model')} version {train.get('champion_version')} "
         f"(this run's model: version {train.get('model_version')}, {decision})",
         f"  scores{_cached(score)}: {score['rows']:,} journeys in {score['out']}",

@@ -5,6 +5,10 @@
   shrunk towards the base rate for rarely seen keys.
 - `logreg`, `hgb`: logistic regression and histogram gradient boosting on bag-of-events
   counts: event types, feature values, optionally event bigrams, plus the true length.
+- `hgb_aggregates`: the strong one, gradient boosting on what a practitioner would build
+  per journey (the aggregation encoding of Teinemaa et al., 2019): the counts above, the
+  number of visits, the duration, the gaps between touches (mean, shortest, longest,
+  last), hour of day and weekday of the first and last event, and the last touch itself.
 
 Each is its own MLflow run in the same experiment, tagged `model_family=baseline_<name>`,
 with the same `test_*` metrics and plots as the transformer.
@@ -12,6 +16,7 @@ with the same `test_*` metrics and plots as the transformer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +33,7 @@ if TYPE_CHECKING:
 
     from journeys.config import Config
 
-BASELINES = ("logreg", "hgb", "last_touch", "prior")
+BASELINES = ("logreg", "hgb", "hgb_aggregates", "last_touch", "prior")
 # Pseudo-count of train journeys at the base rate added to every last-touch key, so a key
 # seen twice with one conversion does not predict 50 %.
 LAST_TOUCH_PSEUDO_COUNT = 20.0
@@ -36,6 +41,10 @@ LAST_TOUCH_PSEUDO_COUNT = 20.0
 LAST_TOUCH_FEATURES = ("channel",)
 # Gradient boosting needs dense input: keep the most frequent train tokens only.
 MAX_DENSE_COLUMNS = 1024
+HGB_MAX_ITER = 200  # boosting rounds at most; early stopping on 10% of train picks fewer
+# Categorical columns of gradient boosting take at most 255 levels (its bins): the rarer
+# train levels of a last-touch column are treated as missing.
+MAX_CATEGORIES = 254
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,96 @@ class BagOfEvents:
         return sparse.csr_matrix((values, (rows, cols)), shape=(n, self.n_columns))
 
 
+TIMING_AGGREGATES = (
+    "n_events",
+    "visits",
+    "duration_s",
+    "gap_mean_s",
+    "gap_min_s",
+    "gap_max_s",
+    "gap_last_s",
+    "first_hour",
+    "first_weekday",
+    "last_hour",
+    "last_weekday",
+)
+
+
+def timing_aggregates(
+    frame: pl.DataFrame, timezone: str = "UTC", visit_gap_s: float | None = None
+) -> pl.DataFrame:
+    """Per journey: length, visits, duration, gap statistics and the local hour and
+    weekday of its first and last event (null where a journey has too few events).
+
+    A visit opens at every gap of at least `visit_gap_s` seconds (the model's
+    `model.visit_gap`); without one, every journey is one visit.
+    """
+    time = pl.col("event_time")
+    gaps = time.list.eval(pl.element().diff().dt.total_seconds(fractional=True)).list.slice(1)
+    first = time.list.first().dt.convert_time_zone(timezone)
+    last = time.list.last().dt.convert_time_zone(timezone)
+    opened = gaps.list.eval(pl.element() >= visit_gap_s).list.sum() if visit_gap_s else pl.lit(0)
+    return frame.select(
+        n_events=pl.col("n_events_total").cast(pl.Float64),
+        visits=(1 + opened).cast(pl.Float64),
+        duration_s=(time.list.last() - time.list.first()).dt.total_seconds(fractional=True),
+        gap_mean_s=gaps.list.mean(),
+        gap_min_s=gaps.list.min(),
+        gap_max_s=gaps.list.max(),
+        gap_last_s=gaps.list.last(),
+        first_hour=first.dt.hour().cast(pl.Float64),
+        first_weekday=first.dt.weekday().cast(pl.Float64),
+        last_hour=last.dt.hour().cast(pl.Float64),
+        last_weekday=last.dt.weekday().cast(pl.Float64),
+    )
+
+
+class JourneyAggregates:
+    """Journeys -> a dense matrix for gradient boosting: bag-of-events counts, the timing
+    aggregates, and the last event's type and feature values as categorical columns
+    (levels from train; unseen or rare ones are missing)."""
+
+    def __init__(self, features: list[str], timezone: str, visit_gap_s: float | None):
+        self.features = features
+        self.timezone = timezone
+        self.visit_gap_s = visit_gap_s
+        self.bag = BagOfEvents(features, bigrams=False, max_columns=MAX_DENSE_COLUMNS)
+        self.levels: dict[str, dict[str, int]] = {}  # last-touch column -> level -> code
+
+    @property
+    def last_touch_columns(self) -> list[str]:
+        return ["event_type", *self.features]
+
+    def _last(self, frame: pl.DataFrame) -> pl.DataFrame:
+        return frame.select(
+            pl.col(c).list.last().fill_null(MISSING_VALUE).alias(c) for c in self.last_touch_columns
+        )
+
+    def fit(self, frame: pl.DataFrame) -> JourneyAggregates:
+        self.bag.fit(frame)
+        last = self._last(frame)
+        for column in self.last_touch_columns:
+            counts = last.group_by(column).len().sort(["len", column], descending=[True, False])
+            levels = counts.head(MAX_CATEGORIES).get_column(column).to_list()
+            self.levels[column] = {level: code for code, level in enumerate(levels)}
+        return self
+
+    @property
+    def categorical(self) -> np.ndarray:
+        """Which columns of `transform` are categorical (the last-touch ones, at the end)."""
+        n_numeric = self.bag.n_columns + len(TIMING_AGGREGATES)
+        return np.r_[np.zeros(n_numeric, bool), np.ones(len(self.last_touch_columns), bool)]
+
+    def transform(self, frame: pl.DataFrame) -> np.ndarray:
+        codes = self._last(frame).select(
+            pl.col(c).replace_strict(self.levels[c], default=None, return_dtype=pl.Float64)
+            for c in self.last_touch_columns
+        )
+        timing = timing_aggregates(frame, self.timezone, self.visit_gap_s)
+        blocks = [self.bag.transform(frame).toarray(), timing.to_numpy(), codes.to_numpy()]
+        return np.hstack(blocks).astype(np.float64)  # nulls are NaN: missing for the trees
+
+
 # ----------------------------------------------------------------------------- models
 
 
@@ -149,7 +248,7 @@ def last_touch(train: pl.DataFrame, test: pl.DataFrame, features: list[str], **_
 
 
 def logreg(
-    train: pl.DataFrame, test: pl.DataFrame, features: list[str], bigrams: bool, seed: int
+    train: pl.DataFrame, test: pl.DataFrame, features: list[str], bigrams: bool, seed: int, **_
 ) -> np.ndarray:
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
@@ -162,19 +261,44 @@ def logreg(
 
 
 def hgb(
-    train: pl.DataFrame, test: pl.DataFrame, features: list[str], bigrams: bool, seed: int
+    train: pl.DataFrame, test: pl.DataFrame, features: list[str], bigrams: bool, seed: int, **_
 ) -> np.ndarray:
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     bag = BagOfEvents(features, bigrams, max_columns=MAX_DENSE_COLUMNS).fit(train)
-    model = HistGradientBoostingClassifier(max_iter=200, early_stopping=True, random_state=seed)
+    model = HistGradientBoostingClassifier(
+        max_iter=HGB_MAX_ITER, early_stopping=True, random_state=seed
+    )
     model.fit(bag.transform(train).toarray(), _labels(train))
     return model.predict_proba(bag.transform(test).toarray())[:, 1]
+
+
+def hgb_aggregates(
+    train: pl.DataFrame,
+    test: pl.DataFrame,
+    features: list[str],
+    seed: int,
+    timezone: str = "UTC",
+    visit_gap_s: float | None = None,
+    **_,
+) -> np.ndarray:
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    encoder = JourneyAggregates(features, timezone, visit_gap_s).fit(train)
+    model = HistGradientBoostingClassifier(
+        max_iter=HGB_MAX_ITER,
+        early_stopping=True,
+        categorical_features=encoder.categorical,
+        random_state=seed,
+    )
+    model.fit(encoder.transform(train), _labels(train))
+    return model.predict_proba(encoder.transform(test))[:, 1]
 
 
 PREDICTORS: dict[str, Callable[..., np.ndarray]] = {
     "logreg": logreg,
     "hgb": hgb,
+    "hgb_aggregates": hgb_aggregates,
     "last_touch": last_touch,
     "prior": prior,
 }
@@ -187,12 +311,43 @@ def fit_predict(
     features: list[str],
     bigrams: bool = False,
     seed: int = 0,
+    timezone: str = "UTC",
+    visit_gap_s: float | None = None,
 ) -> np.ndarray:
-    """Fit baseline `name` on `train`, return conversion probabilities for `test`."""
-    return PREDICTORS[name](train, test, features=features, bigrams=bigrams, seed=seed)
+    """Fit baseline `name` on `train`, return conversion probabilities for `test`.
+
+    `timezone` is where hours and weekdays are read, `visit_gap_s` the gap that opens a
+    visit (both only used by `hgb_aggregates`).
+    """
+    return PREDICTORS[name](
+        train,
+        test,
+        features=features,
+        bigrams=bigrams,
+        seed=seed,
+        timezone=timezone,
+        visit_gap_s=visit_gap_s,
+    )
 
 
 # ----------------------------------------------------------------------------- runs
+
+
+def ahead_of_transformer(
+    transformer: dict[str, float], baselines: dict[str, dict[str, float]]
+) -> list[str]:
+    """The baselines whose test ROC AUC lies above the transformer's 95% interval: a user
+    must hear that a simpler model did better, whatever the registry's champion is."""
+    high = transformer.get("test_roc_auc_ci_high", math.nan)
+    return sorted(name for name, m in baselines.items() if m.get("test_roc_auc", math.nan) > high)
+
+
+def visit_gap_seconds(config: Config) -> float | None:
+    """`model.visit_gap` in seconds (None when visits are off)."""
+    from journeys.config import parse_duration
+
+    gap = config.model.visit_gap
+    return None if gap is None else parse_duration(gap).total_seconds()
 
 
 def run_baselines(
@@ -216,7 +371,14 @@ def run_baselines(
     for name in names:
         print(f"baseline {name}: fitting on {train.height:,} train journeys")
         probs = fit_predict(
-            name, train, test, config.data.features, config.train.bigrams, config.train.seed
+            name,
+            train,
+            test,
+            config.data.features,
+            config.train.bigrams,
+            config.train.seed,
+            timezone=config.data.timezone,
+            visit_gap_s=visit_gap_seconds(config),
         )
         scores = M.binary_metrics(labels, probs)
         family = f"baseline_{name}"

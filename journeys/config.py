@@ -325,8 +325,8 @@ class Train(Section):
     precision: str = "32-true"
     num_workers: Annotated[int, Field(ge=0)] = 0
     seed: int = 0
-    baselines: list[Literal["logreg", "hgb", "last_touch", "prior"]] = Field(
-        default_factory=lambda: ["logreg", "hgb", "last_touch", "prior"]
+    baselines: list[Literal["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]] = Field(
+        default_factory=lambda: ["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]
     )
     bigrams: bool = False
     # What the loss is on: the journey's logit (its last event), or the logit after every

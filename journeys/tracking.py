@@ -41,6 +41,8 @@ BEST_CHECKPOINT_TAG = "best_checkpoint"
 REGISTERED_VERSION_TAG = "registered_model_version"  # "<name>/<version>"
 CHAMPION_DECISION_TAG = "champion_decision"  # promoted | kept_previous
 CHAMPION_REASON_TAG = "champion_reason"
+# On the transformer run: the baselines whose test ROC AUC beat its 95% interval ("none").
+BASELINES_AHEAD_TAG = "baselines_ahead"
 # A tracking server that does not answer this fast is treated as unreachable: training
 # must fail before it spends minutes of compute, not when it tries to log the result.
 REACHABILITY_TIMEOUT_S = 5.0
@@ -328,6 +330,11 @@ def training_summary(uri: str, run_id: str, registered_model: str) -> dict[str, 
         "model_version": int(version) if version else None,
         "champion_version": int(champion.version) if champion else None,
         "promoted": run.data.tags.get(CHAMPION_DECISION_TAG) == "promoted",
+        "baselines_ahead": [
+            name
+            for name in run.data.tags.get(BASELINES_AHEAD_TAG, "none").split(",")
+            if name not in ("", "none")
+        ],
         "metrics": dict(run.data.metrics),
         "baselines": {
             family.removeprefix("baseline_"): {

@@ -389,6 +389,7 @@ def _finish(run: FittedRun) -> TrainResult:
     rows = [(MODEL_FAMILY, scores), (f"{MODEL_FAMILY} (calibrated)", _calibrated(scores))]
     rows += [(f"baseline_{name}", result.metrics) for name, result in baselines.items()]
     print_comparison(rows, run.sizes["test"])
+    flag_baselines_ahead(run, scores, baselines)
     test = run.datamodule.splits["test"]
     predictions = pl.DataFrame(
         {
@@ -490,6 +491,29 @@ def _run_baselines(run: FittedRun) -> dict[str, BaselineRun]:
     client = MlflowClient(tracking_uri=run.uri)
     client.set_tag(run.run_id, tracking.COMPARISON_GROUP_TAG, run.run_id)
     return {r.name: BaselineRun(r.run_id, r.metrics) for r in results}
+
+
+def flag_baselines_ahead(
+    run: FittedRun, scores: dict[str, float], baselines: dict[str, BaselineRun]
+) -> list[str]:
+    """Say so, on the console and as a run tag, when a baseline beats the transformer
+    beyond the transformer's 95% interval."""
+    from mlflow import MlflowClient
+
+    from journeys.baselines import ahead_of_transformer
+
+    ahead = ahead_of_transformer(scores, {name: b.metrics for name, b in baselines.items()})
+    MlflowClient(tracking_uri=run.uri).set_tag(
+        run.run_id, tracking.BASELINES_AHEAD_TAG, ",".join(ahead) or "none"
+    )
+    for name in ahead:
+        print(
+            f"warning: baseline_{name} (test ROC AUC "
+            f"{baselines[name].metrics['test_roc_auc']:.4f}) beats the transformer beyond its "
+            f"95% interval ({M.format_metric(scores, 'roc_auc')}): prefer it, or give "
+            "the transformer what it uses (docs/model.md)"
+        )
+    return ahead
 
 
 def _calibrated(scores: dict[str, float]) -> dict[str, float]:

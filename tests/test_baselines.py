@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import numpy as np
 import polars as pl
 import pytest
@@ -82,3 +84,79 @@ def test_learned_baselines_beat_the_prior(tmp_path, bigrams: bool) -> None:
         auc[name] = binary_metrics(labels, probs)["test_roc_auc"]
     assert auc["prior"] == pytest.approx(0.5)
     assert auc["logreg"] > 0.6 and auc["hgb"] > 0.6 and auc["last_touch"] > 0.5
+
+
+def test_timing_aggregates_read_durations_gaps_visits_and_local_hours() -> None:
+    """Gaps of 60 s, 2 h and 30 s: duration, gap statistics, two visits at a 30-minute rule,
+    and the first and last event's hour and weekday in the configured time zone."""
+    start = datetime(2026, 3, 6, 22, 30, tzinfo=UTC)  # a Friday, 23:30 in Paris
+    times = [start + timedelta(seconds=s) for s in (0, 60, 60 + 7200, 60 + 7200 + 30)]
+    journeys = pl.DataFrame(
+        {"event_time": [times, times[:1]], "n_events_total": [4, 1]},
+        schema={"event_time": pl.List(pl.Datetime("us", "UTC")), "n_events_total": pl.Int64},
+    )
+    got = baselines.timing_aggregates(journeys, "Europe/Paris", visit_gap_s=1800).to_dicts()
+    assert tuple(got[0]) == baselines.TIMING_AGGREGATES
+    assert got[0] == {
+        "n_events": 4.0,
+        "visits": 2.0,
+        "duration_s": 7290.0,
+        "gap_mean_s": 2430.0,
+        "gap_min_s": 30.0,
+        "gap_max_s": 7200.0,
+        "gap_last_s": 30.0,
+        "first_hour": 23.0,
+        "first_weekday": 5.0,
+        "last_hour": 1.0,  # two hours later: Saturday
+        "last_weekday": 6.0,
+    }
+    one = got[1]  # a single event: no gaps, one visit, no duration
+    assert one["visits"] == 1.0 and one["duration_s"] == 0.0 and one["gap_last_s"] is None
+
+
+def timing_journeys(n: int, seed: int) -> pl.DataFrame:
+    """Journeys whose event types carry no signal: converters come back within a minute for
+    their last touch, the others after hours (the shape of a real retargeting log)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.random(n) < 0.3
+    lengths = rng.integers(2, 7, n)
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    rows = []
+    for label, length in zip(labels, lengths, strict=True):
+        gaps = rng.exponential(3600.0, length - 1)
+        gaps[-1] = rng.uniform(5, 60) if label else rng.uniform(3600, 7200)
+        offsets = np.r_[0.0, np.cumsum(gaps)] + rng.uniform(0, 86400 * 30)
+        rows.append(
+            {
+                "event_type": rng.choice(["view", "click", "search"], length).tolist(),
+                "event_time": [start + timedelta(seconds=float(s)) for s in offsets],
+                "n_events_total": int(length),
+                "label": int(label),
+            }
+        )
+    return pl.DataFrame(rows, schema_overrides={"event_time": pl.List(pl.Datetime("us", "UTC"))})
+
+
+def test_aggregates_baseline_learns_what_counts_cannot() -> None:
+    """When conversion lives in timing alone, bag-of-events boosting is blind to it and
+    `hgb_aggregates` is not: the strong baseline a transformer has to beat."""
+    train, test = timing_journeys(2000, seed=0), timing_journeys(1000, seed=1)
+    labels = test.get_column("label").to_numpy()
+    auc = {
+        name: binary_metrics(labels, baselines.fit_predict(name, train, test, []))["test_roc_auc"]
+        for name in ("hgb", "hgb_aggregates")
+    }
+    assert auc["hgb"] < 0.6
+    assert auc["hgb_aggregates"] > 0.95
+
+
+def test_a_baseline_is_flagged_only_beyond_the_transformers_interval() -> None:
+    transformer = {"test_roc_auc": 0.80, "test_roc_auc_ci_low": 0.78, "test_roc_auc_ci_high": 0.82}
+    found = {
+        "hgb_aggregates": {"test_roc_auc": 0.83},  # above the interval: flagged
+        "hgb": {"test_roc_auc": 0.815},  # better, but within the noise
+        "prior": {"test_roc_auc": 0.5},
+        "broken": {"test_roc_auc": float("nan")},
+    }
+    assert baselines.ahead_of_transformer(transformer, found) == ["hgb_aggregates"]
+    assert baselines.ahead_of_transformer({"test_roc_auc": 0.8}, found) == []  # no interval

@@ -18,6 +18,7 @@ from conftest import make_journeys_dataset
 from mlflow import MlflowClient
 
 from journeys import metrics as M
+from journeys.baselines import ahead_of_transformer
 from journeys.config import Config, load_config
 from journeys.errors import ConfigError, InputError, JourneysError
 
@@ -166,6 +167,16 @@ def test_first_model_becomes_champion_and_baselines_share_the_experiment(trained
         plots = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "plots")}
         assert {"roc.png", "pr.png", "calibration.png"} <= plots
     assert families["baseline_prior"].data.metrics["test_roc_auc"] == pytest.approx(0.5)
+    # The strong baseline is on by default, on the very same test journeys.
+    transformer = families["transformer"]
+    assert "hgb_aggregates" in config.train.baselines
+    for name in config.train.baselines:
+        metrics = families[f"baseline_{name}"].data.metrics
+        assert metrics["n_test"] == transformer.data.metrics["n_test"], name
+    ahead = ahead_of_transformer(
+        transformer.data.metrics, {n: b.metrics for n, b in result.baselines.items()}
+    )
+    assert transformer.data.tags["baselines_ahead"] == (",".join(ahead) or "none")
     # One comparison table with every model.
     assert printed.count("Test metrics") == 1
     for family in families:
