@@ -204,6 +204,7 @@ def test_champion_and_training_summary_read_back_from_the_store(mlflow_env, tmp_
     tags |= {
         tracking.REGISTERED_VERSION_TAG: f"{name}/1",
         tracking.CHAMPION_DECISION_TAG: "promoted",
+        tracking.BASELINES_AHEAD_TAG: "hgb_aggregates,last_touch",
     }
     for key, value in tags.items():
         client.set_tag(run_id, key, value)
@@ -229,6 +230,7 @@ def test_champion_and_training_summary_read_back_from_the_store(mlflow_env, tmp_
         "model_version": 1,
         "champion_version": 1,
         "promoted": True,
+        "baselines_ahead": ["hgb_aggregates", "last_touch"],
         "metrics": {"test_roc_auc": 0.7},
         "baselines": {"logreg": {"run_id": baseline, "metrics": {"test_roc_auc": 0.6}}},
     }
