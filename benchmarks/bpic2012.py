@@ -574,6 +574,7 @@ def encode_cases(
         vocabs,
         config.model.time_buckets,
         MAX_PREFIX,
+        config.data.timezone if config.model.time_encodings else None,
     )
     if labels is not None:
         encoded = replace(encoded, labels=torch.tensor(labels, dtype=torch.float32))

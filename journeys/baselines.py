@@ -211,7 +211,7 @@ class JourneyAggregates:
         )
         timing = timing_aggregates(frame, self.timezone, self.visit_gap_s)
         blocks = [self.bag.transform(frame).toarray(), timing.to_numpy(), codes.to_numpy()]
-        return np.hstack(blocks).astype(np.float64)  # nulls are NaN: missing for the trees
+        return np.hstack(blocks).astype(np.float32)  # nulls are NaN: missing for the trees
 
 
 # ----------------------------------------------------------------------------- models

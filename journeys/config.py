@@ -273,6 +273,11 @@ class Model(Section):
     # every event also embeds the gap that opened its visit, so how long the user was away
     # before the current visit is on every event, the last one included. null: off.
     visit_gap: Duration | None = "30m"
+    # Continuous time inputs on every event, projected into the embedding: log seconds since
+    # the previous event and since the journey's first, and the local hour of day and
+    # weekday as points on a circle (`data.timezone`). Durations and the time of day that
+    # 32 buckets blur, and that gradient boosting on aggregates uses (`hgb_aggregates`).
+    time_encodings: bool = False
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Model:

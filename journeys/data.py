@@ -64,9 +64,40 @@ _LOG_EPSILON = 1e-9
 DEFAULT_BUCKET_BATCHES = 50
 
 
+# Continuous inputs per event when `model.time_encodings` is on, in this order.
+TIME_ENCODINGS = (
+    "log_gap",
+    "log_since_start",
+    "hour_sin",
+    "hour_cos",
+    "weekday_sin",
+    "weekday_cos",
+)
+# log1p(seconds) / log1p(30 days): durations from a second to a month land in [0, 1].
+LOG_SECONDS_SCALE = math.log1p(30 * 86400)
+
+
 def gap_seconds_expr(event_time: pl.Expr) -> pl.Expr:
     """List of event timestamps -> list of seconds since the previous event (0 for the first)."""
     return event_time.list.eval(pl.element().diff().dt.total_microseconds().fill_null(0) / 1e6)
+
+
+def time_encoding_exprs(
+    gap: pl.Expr, since_start: pl.Expr, time: pl.Expr, timezone: str
+) -> list[pl.Expr]:
+    """Per event: `TIME_ENCODINGS` from the seconds since the previous and the first event
+    and the event's UTC time (read in `timezone` for the hour and weekday)."""
+    local = time.dt.convert_time_zone(timezone)
+    hour = (local.dt.hour() + local.dt.minute() / 60) * (2 * math.pi / 24)
+    weekday = (local.dt.weekday() - 1) * (2 * math.pi / 7)
+    return [
+        ((gap.clip(lower_bound=0) + 1).log() / LOG_SECONDS_SCALE).alias("log_gap"),
+        ((since_start.clip(lower_bound=0) + 1).log() / LOG_SECONDS_SCALE).alias("log_since_start"),
+        hour.sin().alias("hour_sin"),
+        hour.cos().alias("hour_cos"),
+        weekday.sin().alias("weekday_sin"),
+        weekday.cos().alias("weekday_cos"),
+    ]
 
 
 def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
@@ -117,6 +148,7 @@ def model_config_from_sizes(
         causal=settings.causal,
         max_len=max_len,
         visit_bucket=visit_bucket(settings),
+        n_continuous=len(TIME_ENCODINGS) if settings.time_encodings else 0,
     )
 
 
@@ -134,6 +166,7 @@ class EncodedJourneys:
     labels: Tensor  # [n] float32 (0 where the frame has no label)
     journey_ids: pl.Series | None  # [n] kept aside for joining scores back
     feature_names: tuple[str, ...] = ()
+    continuous: Tensor | None = None  # [C, N] float32 (time encodings), None when off
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
@@ -149,13 +182,18 @@ class EncodedJourneys:
 
 
 def encode_journeys(
-    frame: pl.DataFrame, vocabs: Vocabularies, n_time_buckets: int, max_len: int | None = None
+    frame: pl.DataFrame,
+    vocabs: Vocabularies,
+    n_time_buckets: int,
+    max_len: int | None = None,
+    time_encodings_timezone: str | None = None,
 ) -> EncodedJourneys:
     """Journeys frame (the ingest schema) -> `EncodedJourneys`, in the frame's row order.
 
     Unknown tokens and missing values map to id 1. With `max_len`, only the most recent
     `max_len` events of a journey are kept (as ingest does); time gaps are measured within
-    the kept events, so the first kept event always gets bucket 1.
+    the kept events, so the first kept event always gets bucket 1. With
+    `time_encodings_timezone`, `TIME_ENCODINGS` are computed too (hours in that zone).
     """
     features = vocabs.features
     sequences = ["event_type", *features]
@@ -167,9 +205,20 @@ def encode_journeys(
         return pl.col(column).list.tail(max_len) if max_len else pl.col(column)
 
     # Renamed so that a feature cannot collide with our own column names.
+    times = kept("event_time")
     lists = frame.select(
         *(kept(c).alias(f"s{i}") for i, c in enumerate(sequences)),
-        gap_seconds_expr(kept("event_time")).alias("gap"),
+        gap_seconds_expr(times).alias("gap"),
+        *(
+            [
+                times.list.eval(
+                    (pl.element() - pl.element().first()).dt.total_microseconds() / 1e6
+                ).alias("since_start"),
+                times.alias("time"),
+            ]
+            if time_encodings_timezone
+            else []
+        ),
     )
     list_columns = lists.columns
     lengths = lists.select(pl.col(c).list.len().fill_null(0).cast(pl.Int64) for c in list_columns)
@@ -189,8 +238,19 @@ def encode_journeys(
             for i, name in enumerate(features)
         ),
         time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
+        *(
+            time_encoding_exprs(
+                pl.col("gap"), pl.col("since_start"), pl.col("time"), time_encodings_timezone
+            )
+            if time_encodings_timezone
+            else []
+        ),
     )
     n_events = flat.height
+    continuous = None
+    if time_encodings_timezone:
+        values = flat.select(pl.col(TIME_ENCODINGS).cast(pl.Float32)).to_numpy(writable=True)
+        continuous = torch.from_numpy(np.ascontiguousarray(values.T))
     if features:
         # Fortran order [N, F] transposed is a C-contiguous [F, N]: no copy.
         columns = flat.select(f"f{i}" for i in range(len(features)))
@@ -215,6 +275,7 @@ def encode_journeys(
         labels=label_tensor,
         journey_ids=frame.get_column("journey_id") if "journey_id" in frame.columns else None,
         feature_names=tuple(features),
+        continuous=continuous,
     )
 
 
@@ -232,6 +293,7 @@ class JourneyBatch(NamedTuple):
     mask: Tensor  # [B, L] bool, True on real events (right padding)
     labels: Tensor  # [B] float32
     index: Tensor  # [B] int64, positions in the EncodedJourneys (e.g. for journey ids)
+    continuous: Tensor | None = None  # [B, C, L] float32 (time encodings), None when off
 
 
 class JourneyDataset(Dataset[int]):
@@ -304,6 +366,7 @@ class JourneyCollator:
 
     def __call__(self, indices: Sequence[int]) -> JourneyBatch:
         encoded = self.encoded
+        continuous = None
         index = torch.as_tensor(indices, dtype=torch.int64)
         starts = encoded.offsets[index]
         lengths = encoded.offsets[index + 1] - starts
@@ -317,11 +380,18 @@ class JourneyCollator:
             time_buckets = encoded.time_buckets[flat].long().masked_fill_(~mask, PAD_ID)
             features = encoded.features[:, flat].long().permute(1, 0, 2)
             features = features.masked_fill(~mask[:, None, :], PAD_ID).contiguous()
+            if encoded.continuous is not None:
+                continuous = encoded.continuous[:, flat].permute(1, 0, 2)
+                continuous = continuous.masked_fill(~mask[:, None, :], 0.0).contiguous()
         else:
             tokens = torch.zeros(mask.shape, dtype=torch.int64)
             time_buckets = torch.zeros(mask.shape, dtype=torch.int64)
             features = torch.zeros(len(index), encoded.features.size(0), width, dtype=torch.int64)
-        return JourneyBatch(tokens, features, time_buckets, mask, encoded.labels[index], index)
+            if encoded.continuous is not None:
+                continuous = torch.zeros(len(index), encoded.continuous.size(0), width)
+        return JourneyBatch(
+            tokens, features, time_buckets, mask, encoded.labels[index], index, continuous
+        )
 
 
 class EpochRandomSampler(RandomSampler):

@@ -78,6 +78,7 @@ def run_model(
                     batch.time_buckets.to(device),
                     batch.mask.to(device),
                     attention=attention,
+                    continuous=_to(batch.continuous, device),
                 )
                 index = batch.index
                 logits[index.numpy()] = out.logits.float().cpu().numpy()
@@ -91,6 +92,10 @@ def run_model(
     finally:
         model.train(was_training)
     return Outputs(logits, offsets.numpy(), weights, prefix)
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def _flat_positions(offsets: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
@@ -136,6 +141,7 @@ def integrated_gradients(
     time_buckets: torch.Tensor,
     mask: torch.Tensor,
     steps: int = IG_STEPS,
+    continuous: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-event IG of the conversion logit w.r.t. the summed input embedding [B, L].
 
@@ -147,13 +153,13 @@ def integrated_gradients(
     """
     batch, _ = tokens.shape
     device = tokens.device
-    embeddings = model.input_embeddings()
+    embeddings = model.input_modules()
     model.eval()
     with torch.no_grad():
-        summed = model.event_embeddings(tokens, features, time_buckets, mask)
+        summed = model.event_embeddings(tokens, features, time_buckets, mask, continuous)
 
-    def repeat(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(steps, dim=0)
+    def repeat(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.repeat_interleave(steps, dim=0)
 
     alphas = (torch.arange(steps, device=device, dtype=summed.dtype) + 0.5) / steps
     scale = alphas.repeat(batch)[:, None, None]  # row b * steps + s has alpha_s
@@ -169,7 +175,11 @@ def integrated_gradients(
     try:
         with torch.enable_grad():
             logits = model(
-                repeat(tokens), repeat(features), repeat(time_buckets), repeat(mask)
+                repeat(tokens),
+                repeat(features),
+                repeat(time_buckets),
+                repeat(mask),
+                continuous=repeat(continuous),
             ).logits
             (grad,) = torch.autograd.grad(logits.sum(), captured[0])
     finally:
@@ -196,6 +206,7 @@ def run_integrated_gradients(
             batch.time_buckets.to(device),
             batch.mask.to(device),
             steps,
+            _to(batch.continuous, device),
         )
         positions = _flat_positions(encoded.offsets, batch.index, batch.mask)
         values[positions] = attributions.detach().float().cpu()[batch.mask].numpy()

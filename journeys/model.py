@@ -4,7 +4,8 @@ Everything the model does is in this file, in the spirit of nanoGPT's `model.py`
 
 - each event is the sum of embeddings of its event type, each categorical feature, the
   time since the previous event (bucketed in `journeys.data`) and the gap that opened its
-  visit (the latest gap of at least `visit_bucket`); id 0 is padding everywhere;
+  visit (the latest gap of at least `visit_bucket`), plus a linear projection of its
+  `n_continuous` continuous inputs (time encodings); id 0 is padding everywhere;
   `journeys.data.model_config_from` builds the `ModelConfig` from the configuration;
 - a positional encoding (fixed sinusoid, learned table, or none) is added;
 - `n_layers` transformer blocks (self-attention + GELU feed-forward, pre- or post-norm);
@@ -64,6 +65,7 @@ class ModelConfig:
     max_len: int = 64
     # Time buckets >= this one open a visit; None: no visit-gap embedding.
     visit_bucket: int | None = None
+    n_continuous: int = 0  # continuous inputs per event, projected and added (0: none)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -215,6 +217,9 @@ class JourneyTransformer(nn.Module):
         self.visit_embedding: nn.Embedding | None = None
         if config.visit_bucket is not None:
             self.visit_embedding = nn.Embedding(config.n_time_buckets, d_model, padding_idx=0)
+        self.continuous_projection: nn.Linear | None = None
+        if config.n_continuous:
+            self.continuous_projection = nn.Linear(config.n_continuous, d_model)
         n_positions = config.max_len + int(config.uses_cls)
         self.position_embedding: nn.Embedding | None = None
         if config.positional == "learned":
@@ -239,6 +244,10 @@ class JourneyTransformer(nn.Module):
                 continue  # LayerNorm: weight 1, bias 0 (PyTorch's default)
             if name.endswith("bias"):
                 nn.init.zeros_(param)
+            elif name == "continuous_projection.weight":
+                # Inputs of about unit scale come out of about unit scale, like an
+                # embedding: an equal voice in the sum from the first step.
+                nn.init.normal_(param, std=1.0 / math.sqrt(self.config.n_continuous))
             elif "embedding" in name:
                 # Unit scale, as nn.Embedding's default: content embeddings then match the
                 # sinusoid's amplitude (Vaswani et al. instead scale d^-1/2 tables by sqrt(d)).
@@ -277,8 +286,10 @@ class JourneyTransformer(nn.Module):
         time_buckets: Tensor,
         mask: Tensor,
         attention: AttentionMode | None = None,
+        continuous: Tensor | None = None,
     ) -> ModelOutput:
-        """tokens, time_buckets [B, L] long; features [B, F, L] long; mask [B, L] bool.
+        """tokens, time_buckets [B, L] long; features [B, F, L] long; mask [B, L] bool;
+        continuous [B, C, L] float (models with `n_continuous`).
 
         Right padding is assumed: each journey's real events come first.
         """
@@ -290,7 +301,7 @@ class JourneyTransformer(nn.Module):
             )
         mask = mask.bool()
         lengths = mask.sum(dim=1)
-        x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths)
+        x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths, continuous)
         attn_mask = self._attention_mask(seq_mask)
 
         rows, row_weights = self._pooled_queries(seq_mask, lengths)
@@ -327,21 +338,44 @@ class JourneyTransformer(nn.Module):
         return ModelOutput(logits, prefix_logits, exported)
 
     def event_embeddings(
-        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor
+        self,
+        tokens: Tensor,
+        features: Tensor,
+        time_buckets: Tensor,
+        mask: Tensor,
+        continuous: Tensor | None = None,
     ) -> Tensor:
-        """[B, L, D]: the sum of each event's `input_embeddings` (no position, no CLS)."""
+        """[B, L, D]: the sum of each event's `input_modules` (no position, no CLS)."""
         x = self.event_embedding(tokens) + self.time_embedding(time_buckets)
         for i, embedding in enumerate(self.feature_embeddings):
             x = x + embedding(features[:, i])
         if self.visit_embedding is not None:
             x = x + self.visit_embedding(self.visit_gaps(time_buckets, mask))
+        if self.continuous_projection is not None:
+            if continuous is None:
+                raise ValueError("this model reads continuous inputs per event: pass `continuous`")
+            # Zero on padding, like the embeddings' padding rows (the bias would not be).
+            projected = self.continuous_projection(continuous.transpose(1, 2).to(x.dtype))
+            x = x + projected * mask[..., None]
         return x
 
+    def input_modules(self) -> list[nn.Module]:
+        """Every module whose output is summed into an event's input (integrated gradients
+        scales them all): the embedding tables and the continuous projection."""
+        extra = [self.continuous_projection] if self.continuous_projection is not None else []
+        return [*self.input_embeddings(), *extra]
+
     def _embed(
-        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor, lengths: Tensor
+        self,
+        tokens: Tensor,
+        features: Tensor,
+        time_buckets: Tensor,
+        mask: Tensor,
+        lengths: Tensor,
+        continuous: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         """Summed embeddings plus positions [B, L(+1), D], and the mask of that sequence."""
-        x = self.event_embeddings(tokens, features, time_buckets, mask)
+        x = self.event_embeddings(tokens, features, time_buckets, mask, continuous)
         if self.cls is not None:
             batch = x.size(0)
             x = torch.cat([self.cls.expand(batch, 1, -1), x], dim=1)

@@ -72,6 +72,7 @@ def preprocessing_settings(config: Config) -> dict[str, Any]:
         "separator": data.separator,
         "timezone": data.timezone,
         "timestamp_unit": data.timestamp_unit,
+        "time_encodings": config.model.time_encodings,
     }
 
 
@@ -97,7 +98,9 @@ class LoadedModel:
         from journeys.data import encode_journeys
 
         n_time_buckets = self.preprocessing.get("n_time_buckets", self.model.config.n_time_buckets)
-        return encode_journeys(frame, self.vocabs, int(n_time_buckets), self.max_len)
+        # The model says whether it reads time encodings; hours in the training log's zone.
+        zone = self.preprocessing.get("timezone", "UTC") if self.model.config.n_continuous else None
+        return encode_journeys(frame, self.vocabs, int(n_time_buckets), self.max_len, zone)
 
     def predict_logits(
         self, frame: pl.DataFrame, batch_size: int = PREDICT_BATCH_SIZE

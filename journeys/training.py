@@ -97,6 +97,7 @@ class JourneyDataModule(L.LightningDataModule):
         group_by_length: bool = True,
         bucket_batches: int = DEFAULT_BUCKET_BATCHES,
         negative_fraction: float = 1.0,
+        time_encodings_timezone: str | None = None,
     ) -> None:
         super().__init__()
         self.journeys_dir = Path(journeys_dir)
@@ -110,6 +111,7 @@ class JourneyDataModule(L.LightningDataModule):
         self.group_by_length = group_by_length
         self.bucket_batches = bucket_batches
         self.negative_fraction = negative_fraction
+        self.time_encodings_timezone = time_encodings_timezone
         self.splits: dict[str, EncodedJourneys] = {}
 
     @classmethod
@@ -125,6 +127,7 @@ class JourneyDataModule(L.LightningDataModule):
             num_workers=config.train.num_workers,
             seed=config.train.seed,
             negative_fraction=negative_fraction,
+            time_encodings_timezone=config.data.timezone if config.model.time_encodings else None,
         )
 
     @property
@@ -134,7 +137,9 @@ class JourneyDataModule(L.LightningDataModule):
         return self._vocabs
 
     def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
-        return encode_journeys(frame, self.vocabs, self.n_time_buckets, self.max_len)
+        return encode_journeys(
+            frame, self.vocabs, self.n_time_buckets, self.max_len, self.time_encodings_timezone
+        )
 
     def _columns(self) -> list[str]:
         return ["journey_id", "label", "event_type", "event_time", *self.vocabs.features]
@@ -224,7 +229,13 @@ class JourneyModule(L.LightningModule):
 
     def _outputs(self, batch: JourneyBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The journey logits [B] and, for causal models, the prefix logits [B, L]."""
-        out = self.model(batch.tokens, batch.features, batch.time_buckets, batch.mask)
+        out = self.model(
+            batch.tokens,
+            batch.features,
+            batch.time_buckets,
+            batch.mask,
+            continuous=batch.continuous,
+        )
         prefix = out.prefix_logits.float() if out.prefix_logits is not None else None
         return out.logits.float(), prefix  # bf16-mixed: the loss in float32
 

@@ -141,11 +141,15 @@ def test_attention_tables_by_event_type_channel_and_position() -> None:
     assert last["mean_attention"] == pytest.approx(0.7)
 
 
-def test_integrated_gradients_are_complete() -> None:
-    """IG sums to logit(input) - logit(baseline), the baseline being padding embeddings."""
+@pytest.mark.parametrize("n_continuous", [0, 6])
+def test_integrated_gradients_are_complete(n_continuous: int) -> None:
+    """IG sums to logit(input) - logit(baseline), the baseline being padding embeddings
+    (and no continuous input: time encodings are attributed to their event too)."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=9, feature_vocab_sizes=(5,), n_time_buckets=6, d_model=16)
-    config = ModelConfig(**{**config.to_dict(), "n_heads": 2, "dropout": 0.0, "max_len": 8})
+    config = ModelConfig(
+        **{**config.to_dict(), "n_heads": 2, "max_len": 8, "n_continuous": n_continuous}
+    )
     model = JourneyTransformer(config).eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -154,13 +158,18 @@ def test_integrated_gradients_are_complete() -> None:
     tokens = torch.randint(2, 9, mask.shape) * mask
     features = torch.randint(2, 5, (2, 1, 6)) * mask[:, None]
     buckets = torch.randint(1, 6, mask.shape) * mask
+    continuous = torch.randn(2, n_continuous, 6) * mask[:, None] if n_continuous else None
 
-    attributions = integrated_gradients(model, tokens, features, buckets, mask, steps=256)
+    attributions = integrated_gradients(
+        model, tokens, features, buckets, mask, steps=256, continuous=continuous
+    )
     with torch.no_grad():
-        logits = model(tokens, features, buckets, mask).logits
+        logits = model(tokens, features, buckets, mask, continuous=continuous).logits
         embeddings = [model.event_embedding, model.time_embedding, *model.feature_embeddings]
+        if n_continuous:
+            embeddings.append(model.continuous_projection)
         hooks = [e.register_forward_hook(lambda m, i, o: o * 0) for e in embeddings]
-        baseline = model(tokens, features, buckets, mask).logits
+        baseline = model(tokens, features, buckets, mask, continuous=continuous).logits
         for hook in hooks:
             hook.remove()
     assert (attributions[~mask] == 0).all()

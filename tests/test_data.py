@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import polars as pl
 import pytest
@@ -345,3 +346,35 @@ def test_batches_feed_the_model(tmp_path, frame) -> None:
     out = model(batch.tokens, batch.features, batch.time_buckets, batch.mask, attention="pooled")
     assert out.logits.shape == (4,)
     assert out.attention.shape == batch.mask.shape
+
+
+def test_time_encodings_read_gaps_durations_and_local_time(frame: pl.DataFrame) -> None:
+    """The continuous inputs of `model.time_encodings`: log seconds since the previous and
+    the first event (kept events only), and the local hour and weekday on a circle."""
+    import math
+
+    from journeys.data import LOG_SECONDS_SCALE, TIME_ENCODINGS
+
+    encoded = encode_journeys(frame, VOCABS, 32, time_encodings_timezone="Asia/Kolkata")
+    assert encoded.continuous is not None
+    assert encoded.continuous.shape == (len(TIME_ENCODINGS), encoded.n_events)
+    values = dict(zip(TIME_ENCODINGS, encoded.continuous.tolist(), strict=True))
+    # j1: events at 0 s, 1 s and 3601 s.
+    scaled = [math.log1p(s) / LOG_SECONDS_SCALE for s in (0, 1, 3600)]
+    assert values["log_gap"][:3] == pytest.approx(scaled, abs=1e-6)
+    since = [math.log1p(s) / LOG_SECONDS_SCALE for s in (0, 1, 3601)]
+    assert values["log_since_start"][:3] == pytest.approx(since, abs=1e-6)
+    local = T0.astimezone(ZoneInfo("Asia/Kolkata"))  # +05:30: the minutes count too
+    hour = 2 * math.pi * (local.hour + local.minute / 60) / 24
+    weekday = 2 * math.pi * local.weekday() / 7
+    assert values["hour_sin"][0] == pytest.approx(math.sin(hour), abs=1e-6)
+    assert values["hour_cos"][0] == pytest.approx(math.cos(hour), abs=1e-6)
+    assert values["weekday_sin"][0] == pytest.approx(math.sin(weekday), abs=1e-6)
+    assert values["weekday_cos"][0] == pytest.approx(math.cos(weekday), abs=1e-6)
+    # Off by default; batches carry them padded with zeros when on.
+    assert encode_journeys(frame, VOCABS, 32).continuous is None
+    batch = JourneyCollator(encoded)([1, 2])
+    assert batch.continuous.shape == (2, len(TIME_ENCODINGS), 2)
+    assert (batch.continuous[0, :, 1] == 0).all()  # j2's padded slot
+    kept = encode_journeys(frame, VOCABS, 32, max_len=2, time_encodings_timezone="UTC")
+    assert kept.continuous[1, 0] == 0.0  # since the first KEPT event, like the gaps
