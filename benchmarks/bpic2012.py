@@ -567,14 +567,14 @@ def encode_cases(
     """The product's `encode_journeys` on a cases frame (first `MAX_PREFIX` events), labelled."""
     import torch
 
-    from journeys.data import encode_journeys
+    from journeys.data import ContinuousInputs, encode_journeys
 
     encoded = encode_journeys(
         frame.select("event_type", "event_time", *vocabs.features),
         vocabs,
         config.model.time_buckets,
         MAX_PREFIX,
-        config.data.timezone if config.model.time_encodings else None,
+        ContinuousInputs(config.data.timezone if config.model.time_encodings else None),
     )
     if labels is not None:
         encoded = replace(encoded, labels=torch.tensor(labels, dtype=torch.float32))

@@ -8,7 +8,8 @@
 - `hgb_aggregates`: the strong one, gradient boosting on what a practitioner would build
   per journey (the aggregation encoding of Teinemaa et al., 2019): the counts above, the
   number of visits, the duration, the gaps between touches (mean, shortest, longest,
-  last), hour of day and weekday of the first and last event, and the last touch itself.
+  last), hour of day and weekday of the first and last event, the last touch itself, and
+  each numeric feature's mean, minimum, maximum, last value, sum and missing count.
 
 Each is its own MLflow run in the same experiment, tagged `model_family=baseline_<name>`,
 with the same `test_*` metrics and plots as the transformer.
@@ -168,13 +169,40 @@ def timing_aggregates(
     )
 
 
+NUMERIC_AGGREGATES = ("mean", "min", "max", "last", "sum", "missing")
+
+
+def numeric_aggregates(frame: pl.DataFrame, names: list[str]) -> pl.DataFrame:
+    """Per journey and numeric feature: `NUMERIC_AGGREGATES` (null where all are missing)."""
+    columns = []
+    for name in names:
+        values = pl.col(name)
+        present = values.list.drop_nulls()
+        columns += [
+            present.list.mean().alias(f"{name}_mean"),
+            present.list.min().alias(f"{name}_min"),
+            present.list.max().alias(f"{name}_max"),
+            values.list.last().alias(f"{name}_last"),
+            present.list.sum().alias(f"{name}_sum"),
+            (values.list.len() - present.list.len()).cast(pl.Float64).alias(f"{name}_missing"),
+        ]
+    return frame.select(columns)
+
+
 class JourneyAggregates:
     """Journeys -> a dense matrix for gradient boosting: bag-of-events counts, the timing
     aggregates, and the last event's type and feature values as categorical columns
     (levels from train; unseen or rare ones are missing)."""
 
-    def __init__(self, features: list[str], timezone: str, visit_gap_s: float | None):
+    def __init__(
+        self,
+        features: list[str],
+        timezone: str,
+        visit_gap_s: float | None,
+        numeric: list[str] | None = None,
+    ):
         self.features = features
+        self.numeric = list(numeric or [])
         self.timezone = timezone
         self.visit_gap_s = visit_gap_s
         self.bag = BagOfEvents(features, bigrams=False, max_columns=MAX_DENSE_COLUMNS)
@@ -201,7 +229,11 @@ class JourneyAggregates:
     @property
     def categorical(self) -> np.ndarray:
         """Which columns of `transform` are categorical (the last-touch ones, at the end)."""
-        n_numeric = self.bag.n_columns + len(TIMING_AGGREGATES)
+        n_numeric = (
+            self.bag.n_columns
+            + len(TIMING_AGGREGATES)
+            + len(self.numeric) * len(NUMERIC_AGGREGATES)
+        )
         return np.r_[np.zeros(n_numeric, bool), np.ones(len(self.last_touch_columns), bool)]
 
     def transform(self, frame: pl.DataFrame) -> np.ndarray:
@@ -210,7 +242,11 @@ class JourneyAggregates:
             for c in self.last_touch_columns
         )
         timing = timing_aggregates(frame, self.timezone, self.visit_gap_s)
-        blocks = [self.bag.transform(frame).toarray(), timing.to_numpy(), codes.to_numpy()]
+        numbers = numeric_aggregates(frame, self.numeric).cast(pl.Float64)
+        blocks = [self.bag.transform(frame).toarray(), timing.to_numpy()]
+        if self.numeric:
+            blocks.append(numbers.to_numpy())
+        blocks.append(codes.to_numpy())
         return np.hstack(blocks).astype(np.float32)  # nulls are NaN: missing for the trees
 
 
@@ -280,11 +316,12 @@ def hgb_aggregates(
     seed: int,
     timezone: str = "UTC",
     visit_gap_s: float | None = None,
+    numeric_features: list[str] | None = None,
     **_,
 ) -> np.ndarray:
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    encoder = JourneyAggregates(features, timezone, visit_gap_s).fit(train)
+    encoder = JourneyAggregates(features, timezone, visit_gap_s, numeric_features).fit(train)
     model = HistGradientBoostingClassifier(
         max_iter=HGB_MAX_ITER,
         early_stopping=True,
@@ -313,11 +350,12 @@ def fit_predict(
     seed: int = 0,
     timezone: str = "UTC",
     visit_gap_s: float | None = None,
+    numeric_features: list[str] | None = None,
 ) -> np.ndarray:
     """Fit baseline `name` on `train`, return conversion probabilities for `test`.
 
     `timezone` is where hours and weekdays are read, `visit_gap_s` the gap that opens a
-    visit (both only used by `hgb_aggregates`).
+    visit; `numeric_features` are aggregated (all three only used by `hgb_aggregates`).
     """
     return PREDICTORS[name](
         train,
@@ -327,6 +365,7 @@ def fit_predict(
         seed=seed,
         timezone=timezone,
         visit_gap_s=visit_gap_s,
+        numeric_features=numeric_features,
     )
 
 
@@ -379,6 +418,7 @@ def run_baselines(
             config.train.seed,
             timezone=config.data.timezone,
             visit_gap_s=visit_gap_seconds(config),
+            numeric_features=config.data.numeric_features,
         )
         scores = M.binary_metrics(labels, probs)
         family = f"baseline_{name}"

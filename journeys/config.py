@@ -98,6 +98,10 @@ class Data(Section):
     # 1-based position. Unmapped logical names are used as-is.
     columns: dict[str, str | int] = Field(default_factory=dict)
     features: list[str] = Field(default_factory=lambda: ["channel", "device"])
+    # Per-event numbers (a price, a cost, an amount, dwell time), mapped like features. An
+    # empty value is missing (allowed, and flagged to the model); text that is not a
+    # finite number quarantines its row (bad_numeric).
+    numeric_features: list[str] = Field(default_factory=list)
     format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"
     header: bool = True  # false: CSV/TSV without a header row (columns by position)
     separator: str | None = None  # CSV field separator; null: tab for .tsv, else a comma
@@ -119,6 +123,11 @@ class Data(Section):
     # Conversions are recorded up to this moment (null: the last event): censoring counts
     # from it, so a log whose outcomes are final sets it past the data.
     observed_until: datetime | None = None
+
+    @property
+    def event_columns(self) -> list[str]:
+        """Every per-event column read besides the required ones: features, then numbers."""
+        return [*self.features, *self.numeric_features]
 
     @field_validator("columns")
     @classmethod
@@ -155,11 +164,12 @@ class Data(Section):
         both = set(self.conversion_events) & set(self.drop_events)
         if both:
             raise ValueError(f"events both converting and dropped: {sorted(both)}")
-        reserved = set(REQUIRED_COLUMNS) & set(self.features)
+        columns = self.event_columns
+        reserved = set(REQUIRED_COLUMNS) & set(columns)
         if reserved:
             raise ValueError(f"features cannot be {sorted(reserved)}")
-        if len(set(self.features)) != len(self.features):
-            raise ValueError("features are listed twice")
+        if len(set(columns)) != len(columns):
+            raise ValueError("features (and numeric_features) are listed twice")
         if self.valid_from and self.valid_until and self.valid_from >= self.valid_until:
             raise ValueError("valid_from must be before valid_until")
         positions = {k: v for k, v in self.columns.items() if isinstance(v, int)}
@@ -168,7 +178,7 @@ class Data(Section):
                 f"columns {sorted(positions)} are given by position: set data.header: false"
             )
         if not self.header:
-            unplaced = [n for n in (*REQUIRED_COLUMNS, *self.features) if n not in positions]
+            unplaced = [n for n in (*REQUIRED_COLUMNS, *self.event_columns) if n not in positions]
             if unplaced:
                 raise ValueError(
                     f"with header: false, data.columns must give a 1-based position for "

@@ -77,6 +77,45 @@ TIME_ENCODINGS = (
 LOG_SECONDS_SCALE = math.log1p(30 * 86400)
 
 
+@dataclass(frozen=True)
+class ContinuousInputs:
+    """The continuous inputs `encode_journeys` adds per event: the time encodings (when
+    `timezone` is set: hours are read there), then for each numeric feature its value
+    scaled with train's statistics (0 where missing) and a flag where it is missing."""
+
+    timezone: str | None = None
+    # (name, centre, scale) of asinh(value) over the train events: asinh is log-like for
+    # prices and amounts, whose tails span orders of magnitude, and keeps zero and signs.
+    numeric: tuple[tuple[str, float, float], ...] = ()
+
+    @property
+    def names(self) -> list[str]:
+        time = list(TIME_ENCODINGS) if self.timezone else []
+        flags = [f"{name}{end}" for name, _, _ in self.numeric for end in ("", "_missing")]
+        return [*time, *flags]
+
+    @property
+    def numeric_names(self) -> list[str]:
+        return [name for name, _, _ in self.numeric]
+
+
+def numeric_scaling(frame: pl.DataFrame, names: list[str]) -> tuple[tuple[str, float, float], ...]:
+    """(name, centre, scale) of asinh(value) over every non-missing event of `frame` (the
+    train split): what scoring applies unchanged. A constant column gets scale 1."""
+    out = []
+    for name in names:
+        values = frame.select(pl.col(name).explode().drop_nulls().arcsinh()).to_series()
+        centre = float(values.mean()) if values.len() else 0.0
+        spread = float(values.std()) if values.len() > 1 else 0.0
+        out.append((name, centre, spread if spread > 0 else 1.0))
+    return tuple(out)
+
+
+def continuous_count(time_encodings: bool, n_numeric: int) -> int:
+    """How many continuous inputs a model reads per event (`ContinuousInputs.names`)."""
+    return (len(TIME_ENCODINGS) if time_encodings else 0) + 2 * n_numeric
+
+
 def gap_seconds_expr(event_time: pl.Expr) -> pl.Expr:
     """List of event timestamps -> list of seconds since the previous event (0 for the first)."""
     return event_time.list.eval(pl.element().diff().dt.total_microseconds().fill_null(0) / 1e6)
@@ -119,17 +158,26 @@ def visit_bucket(settings: Model) -> int | None:
     return int(pl.select(time_bucket_expr(pl.lit(seconds), settings.time_buckets)).item())
 
 
-def model_config_from(settings: Model, vocabs: Vocabularies, max_len: int) -> ModelConfig:
+def model_config_from(
+    settings: Model, vocabs: Vocabularies, max_len: int, n_numeric: int = 0
+) -> ModelConfig:
     """The `ModelConfig` of the `model` config section, sized by the vocabularies.
 
-    `max_len` is the longest journey the model will see (`journey.max_events`).
+    `max_len` is the longest journey the model will see (`journey.max_events`);
+    `n_numeric` the number of numeric features (`data.numeric_features`).
     """
     feature_sizes = tuple(len(vocabs.by_column[name]) for name in vocabs.features)
-    return model_config_from_sizes(settings, len(vocabs.event_type), feature_sizes, max_len)
+    return model_config_from_sizes(
+        settings, len(vocabs.event_type), feature_sizes, max_len, n_numeric
+    )
 
 
 def model_config_from_sizes(
-    settings: Model, vocab_size: int, feature_vocab_sizes: tuple[int, ...], max_len: int
+    settings: Model,
+    vocab_size: int,
+    feature_vocab_sizes: tuple[int, ...],
+    max_len: int,
+    n_numeric: int = 0,
 ) -> ModelConfig:
     """The `ModelConfig` of the `model` config section with explicit vocabulary sizes."""
     return ModelConfig(
@@ -148,7 +196,7 @@ def model_config_from_sizes(
         causal=settings.causal,
         max_len=max_len,
         visit_bucket=visit_bucket(settings),
-        n_continuous=len(TIME_ENCODINGS) if settings.time_encodings else 0,
+        n_continuous=continuous_count(settings.time_encodings, n_numeric),
     )
 
 
@@ -166,7 +214,7 @@ class EncodedJourneys:
     labels: Tensor  # [n] float32 (0 where the frame has no label)
     journey_ids: pl.Series | None  # [n] kept aside for joining scores back
     feature_names: tuple[str, ...] = ()
-    continuous: Tensor | None = None  # [C, N] float32 (time encodings), None when off
+    continuous: Tensor | None = None  # [C, N] float32 (`ContinuousInputs`), None: none
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
@@ -186,18 +234,21 @@ def encode_journeys(
     vocabs: Vocabularies,
     n_time_buckets: int,
     max_len: int | None = None,
-    time_encodings_timezone: str | None = None,
+    continuous: ContinuousInputs | None = None,
 ) -> EncodedJourneys:
     """Journeys frame (the ingest schema) -> `EncodedJourneys`, in the frame's row order.
 
     Unknown tokens and missing values map to id 1. With `max_len`, only the most recent
     `max_len` events of a journey are kept (as ingest does); time gaps are measured within
-    the kept events, so the first kept event always gets bucket 1. With
-    `time_encodings_timezone`, `TIME_ENCODINGS` are computed too (hours in that zone).
+    the kept events, so the first kept event always gets bucket 1. With `continuous`,
+    its inputs are computed too (`EncodedJourneys.continuous`, in `names` order).
     """
     features = vocabs.features
     sequences = ["event_type", *features]
-    missing = [c for c in ["event_time", *sequences] if c not in frame.columns]
+    continuous = continuous or ContinuousInputs()
+    zone, numeric = continuous.timezone, continuous.numeric_names
+    needed = ["event_time", *sequences, *numeric]
+    missing = [c for c in needed if c not in frame.columns]
     if missing:
         raise InputError(f"journeys frame lacks column(s) {missing}")
 
@@ -216,9 +267,10 @@ def encode_journeys(
                 ).alias("since_start"),
                 times.alias("time"),
             ]
-            if time_encodings_timezone
+            if zone
             else []
         ),
+        *(kept(name).cast(pl.List(pl.Float64)).alias(f"n{i}") for i, name in enumerate(numeric)),
     )
     list_columns = lists.columns
     lengths = lists.select(pl.col(c).list.len().fill_null(0).cast(pl.Int64) for c in list_columns)
@@ -239,18 +291,24 @@ def encode_journeys(
         ),
         time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
         *(
-            time_encoding_exprs(
-                pl.col("gap"), pl.col("since_start"), pl.col("time"), time_encodings_timezone
-            )
-            if time_encodings_timezone
+            time_encoding_exprs(pl.col("gap"), pl.col("since_start"), pl.col("time"), zone)
+            if zone
             else []
+        ),
+        *(
+            expr
+            for i, (name, centre, scale) in enumerate(continuous.numeric)
+            for expr in (
+                ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0).alias(name),
+                pl.col(f"n{i}").is_null().cast(pl.Float64).alias(f"{name}_missing"),
+            )
         ),
     )
     n_events = flat.height
-    continuous = None
-    if time_encodings_timezone:
-        values = flat.select(pl.col(TIME_ENCODINGS).cast(pl.Float32)).to_numpy(writable=True)
-        continuous = torch.from_numpy(np.ascontiguousarray(values.T))
+    continuous_tensor = None
+    if continuous.names:
+        values = flat.select(pl.col(continuous.names).cast(pl.Float32)).to_numpy(writable=True)
+        continuous_tensor = torch.from_numpy(np.ascontiguousarray(values.T))
     if features:
         # Fortran order [N, F] transposed is a C-contiguous [F, N]: no copy.
         columns = flat.select(f"f{i}" for i in range(len(features)))
@@ -275,7 +333,7 @@ def encode_journeys(
         labels=label_tensor,
         journey_ids=frame.get_column("journey_id") if "journey_id" in frame.columns else None,
         feature_names=tuple(features),
-        continuous=continuous,
+        continuous=continuous_tensor,
     )
 
 

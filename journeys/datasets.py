@@ -184,9 +184,13 @@ def evaluation_warnings(sizes: dict[str, dict[str, int]]) -> list[str]:
 
 
 def scores_schema(
-    features: list[str], optional: list[str] | tuple[str, ...] = (), causal: bool = False
+    features: list[str],
+    optional: list[str] | tuple[str, ...] = (),
+    causal: bool = False,
+    numeric: list[str] | tuple[str, ...] = (),
 ) -> pl.Schema:
-    """The scores' schema: contract columns, model features, present optional columns."""
+    """The scores' schema: contract columns, model features (and numeric features, the
+    values the model read), present optional columns."""
     columns: dict[str, pl.DataType] = {
         "journey_id": pl.String(),
         "user_id": pl.String(),
@@ -201,6 +205,7 @@ def scores_schema(
         "attention": pl.List(pl.Float32()),
     }
     columns |= {name: pl.List(pl.String()) for name in features}
+    columns |= {name: pl.List(pl.Float64()) for name in numeric}
     columns |= {name: dtype for name, dtype in OPTIONAL_COLUMNS.items() if name in optional}
     columns |= {"model_uri": pl.String(), "model_version": pl.String(), "scored_at": UTC_US}
     return pl.Schema(columns)

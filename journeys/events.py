@@ -27,6 +27,7 @@ REASONS = (
     "bad_timestamp",
     "implausible_timestamp",
     "out_of_range",
+    "bad_numeric",
 )
 
 SOURCE, ROW = "source_file", "row_number"
@@ -265,7 +266,7 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
     `reason` is null for a valid row, else the quarantine reason code.
     """
     sources = resolve_sources(raw)
-    columns = [*REQUIRED, *data.features]
+    columns = [*REQUIRED, *data.event_columns]
     rows = pl.concat([_read_file(path, data, columns) for path in sources], how="vertical")
     user = pl.col("user_id").str.strip_chars()
     event = pl.col("event_type").str.strip_chars()
@@ -279,6 +280,12 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
         out_of_range = out_of_range | (pl.col(TS) < valid_from)
     if valid_until is not None:
         out_of_range = out_of_range | (pl.col(TS) > valid_until)
+    # A number is missing when empty; text that is not a finite number is an error.
+    bad_numeric = pl.lit(False)
+    for name in data.numeric_features:
+        text = pl.col(name).str.strip_chars()
+        number = text.cast(pl.Float64, strict=False)
+        bad_numeric = bad_numeric | ((text != "") & ~number.is_finite().fill_null(False))
     reason = (
         pl.when(user.is_null() | (user == ""))
         .then(pl.lit("missing_user_id"))
@@ -290,6 +297,8 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
         .then(pl.lit("implausible_timestamp"))
         .when(out_of_range)
         .then(pl.lit("out_of_range"))
+        .when(bad_numeric)
+        .then(pl.lit("bad_numeric"))
     )
     return rows.with_columns(reason.alias(REASON)), [str(p) for p in sources]
 
@@ -312,8 +321,9 @@ class CleanEvents:
 
 
 def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
-    """De-duplicate valid rows, normalise values, apply `event_map` and `drop_events`."""
-    columns = [*REQUIRED, *data.features]
+    """De-duplicate valid rows, normalise values, apply `event_map` and `drop_events`;
+    numeric features become Float64 (null where empty)."""
+    columns = [*REQUIRED, *data.event_columns]
     # Copies: identical original values in every column of the source (all_columns: the
     # columns read, and the hash of the whole row to tell apart rows that differ elsewhere),
     # in the columns read only (read_columns), or no row is a copy (none).
@@ -331,10 +341,14 @@ def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
         pl.col("user_id").str.strip_chars(),
         (event.replace(data.event_map) if data.event_map else event).alias("event_type"),
         *[pl.col(name).str.strip_chars() for name in data.features],
+        *[
+            pl.col(name).str.strip_chars().cast(pl.Float64, strict=False)
+            for name in data.numeric_features
+        ],
     )
     kept = deduped.filter(~pl.col("event_type").is_in(data.drop_events))
     return CleanEvents(
-        events=kept.select("user_id", TS, "event_type", *data.features, SOURCE, ROW),
+        events=kept.select("user_id", TS, "event_type", *data.event_columns, SOURCE, ROW),
         rows_valid=rows.height,
         duplicates_dropped=rows.height - deduped.height,
         dropped_by_config=deduped.height - kept.height,

@@ -77,7 +77,7 @@ class Sessionised:
 
 def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
     """Sessionise sorted events into labelled journeys (censoring and split come later)."""
-    features = config.data.features
+    features = config.data.event_columns
     max_gap = config.journey.max_gap_delta
     max_events = config.journey.max_events
 
@@ -192,7 +192,7 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
         rows = pl.read_parquet(sorted(partition.glob("*.parquet")))
     clean = clean_events(rows.drop(REASON), config.data)
     conversions = list(config.data.conversion_events)
-    built = build_journeys(sort_events(clean.events, config.data.features), config)
+    built = build_journeys(sort_events(clean.events, config.data.event_columns), config)
     built.journeys.write_parquet(out)
     return PartitionResult(
         path=out,
@@ -210,7 +210,7 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
 
 
 def staged_schema(config: Config) -> dict[str, pl.DataType]:
-    text = [*REQUIRED, *config.data.features]
+    text = [*REQUIRED, *config.data.event_columns]  # numbers too: cast when cleaned
     return {
         **dict.fromkeys(text, pl.String()),
         TS: UTC_US,
@@ -395,6 +395,7 @@ FIXES = {
     "bad_timestamp": TIMESTAMP_FIX,
     "implausible_timestamp": TIMESTAMP_FIX + " (or data.plausible_from)",
     "out_of_range": "check data.valid_from and data.valid_until",
+    "bad_numeric": "check data.numeric_features and data.columns (an empty value is missing)",
 }
 
 
@@ -475,7 +476,7 @@ def observation_end(config: Config, data_end: datetime | None) -> datetime | Non
 def parts_columns(config: Config) -> list[str]:
     return [
         "journey_id", "user_id", "start_time", "end_time", "n_events", "n_events_total",
-        "label", "censored", "split", "event_type", "event_time", *config.data.features,
+        "label", "censored", "split", "event_type", "event_time", *config.data.event_columns,
     ]  # fmt: skip
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import polars as pl
 
     from journeys.config import Config
-    from journeys.data import EncodedJourneys
+    from journeys.data import ContinuousInputs, EncodedJourneys
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
@@ -54,12 +54,17 @@ PREDICT_BATCH_SIZE = 1024
 _MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/]+))/?")
 
 
-def preprocessing_settings(config: Config) -> dict[str, Any]:
-    """Everything scoring needs to rebuild journeys exactly as training saw them."""
+def preprocessing_settings(
+    config: Config, numeric_scaling: tuple[tuple[str, float, float], ...] = ()
+) -> dict[str, Any]:
+    """Everything scoring needs to rebuild journeys exactly as training saw them, the
+    numeric features' train scaling (`journeys.data.numeric_scaling`) included."""
     data, journey = config.data, config.journey
     return {
         "format_version": FORMAT_VERSION,
         "features": list(data.features),
+        "numeric_features": list(data.numeric_features),
+        "numeric_scaling": [list(entry) for entry in numeric_scaling],
         "n_time_buckets": config.model.time_buckets,
         "max_events": journey.max_events,
         "max_gap": journey.max_gap,
@@ -89,6 +94,23 @@ class LoadedModel:
     model_config: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def numeric_features(self) -> list[str]:
+        return list(self.preprocessing.get("numeric_features", []))
+
+    @property
+    def continuous(self) -> ContinuousInputs:
+        """The continuous inputs the model reads, as training computed them: the time
+        encodings in the training log's zone, the numbers with train's scaling."""
+        from journeys.data import ContinuousInputs
+
+        time = bool(self.preprocessing.get("time_encodings"))
+        scaling = tuple(
+            (n, float(c), float(s)) for n, c, s in self.preprocessing.get("numeric_scaling", [])
+        )
+        zone = self.preprocessing.get("timezone", "UTC") if time else None
+        return ContinuousInputs(zone, scaling)
+
+    @property
     def max_len(self) -> int:
         """The most recent events of a journey the model reads."""
         return int(self.model.config.max_len)
@@ -98,9 +120,9 @@ class LoadedModel:
         from journeys.data import encode_journeys
 
         n_time_buckets = self.preprocessing.get("n_time_buckets", self.model.config.n_time_buckets)
-        # The model says whether it reads time encodings; hours in the training log's zone.
-        zone = self.preprocessing.get("timezone", "UTC") if self.model.config.n_continuous else None
-        return encode_journeys(frame, self.vocabs, int(n_time_buckets), self.max_len, zone)
+        return encode_journeys(
+            frame, self.vocabs, int(n_time_buckets), self.max_len, self.continuous
+        )
 
     def predict_logits(
         self, frame: pl.DataFrame, batch_size: int = PREDICT_BATCH_SIZE

@@ -48,7 +48,10 @@ class JourneyConversionModel(mlflow.pyfunc.PythonModel):
         loaded = self.loaded
         try:
             frame = journeys_from_request(
-                model_input, loaded.vocabs.features, loaded.preprocessing.get("timezone", "UTC")
+                model_input,
+                loaded.vocabs.features,
+                loaded.preprocessing.get("timezone", "UTC"),
+                loaded.numeric_features,
             )
         except JourneysError as err:
             # Only an MlflowException keeps its message: the scoring server answers any

@@ -97,7 +97,7 @@ def score_frame(
     from journeys.metrics import sigmoid
 
     max_len = loaded.max_len
-    features = loaded.vocabs.features
+    features = [*loaded.vocabs.features, *loaded.numeric_features]
     outputs = run_model(loaded.model, loaded.encode(frame), batch_size, attention, device)
 
     temperature = float(loaded.temperature)
@@ -137,7 +137,9 @@ def scoring_config(config: Config, preprocessing: dict[str, Any]) -> Config:
 
     tree = config.model_dump()
     data, journey = tree["data"], tree["journey"]
-    for key in ("features", "event_map", "conversion_events", "drop_events", "timezone"):
+    for key in (
+        "features", "numeric_features", "event_map", "conversion_events", "drop_events", "timezone"
+    ):  # fmt: skip
         if key in preprocessing:
             data[key] = preprocessing[key]
     if "timestamp_unit" in preprocessing:
@@ -236,9 +238,12 @@ def score_dataset(
     if not parts:
         raise InputError(f"no journeys (part-*.parquet) in {folder.absolute()}")
     features = loaded.vocabs.features
-    columns = scoring_columns(input_schema(parts), features, folder)
+    read = [*features, *loaded.numeric_features]
+    columns = scoring_columns(input_schema(parts), read, folder)
     optional = [name for name in OPTIONAL_COLUMNS if name in columns]
-    schema = scores_schema(features, optional, causal=bool(loaded.model.config.causal))
+    schema = scores_schema(
+        features, optional, bool(loaded.model.config.causal), loaded.numeric_features
+    )
     if attention is None:
         schema = pl.Schema({k: v for k, v in schema.items() if k != "attention"})
     metadata = dict(metadata or {})

@@ -45,6 +45,10 @@ def signature(preprocessing: dict[str, Any], causal: bool = False) -> ModelSigna
         ColSpec(Array(AnyType()), "event_type"),
         ColSpec(Array(AnyType()), "event_time"),
         *(ColSpec(Array(AnyType()), name, required=False) for name in features),
+        *(
+            ColSpec(Array(AnyType()), name, required=False)
+            for name in preprocessing.get("numeric_features", [])
+        ),
     ]
     outputs = [
         ColSpec(DataType.double, "conversion_probability"),
@@ -74,7 +78,7 @@ def example(vocabs: Vocabularies) -> pd.DataFrame:
 
 
 def journeys_from_request(
-    model_input: Any, features: list[str], timezone: str = "UTC"
+    model_input: Any, features: list[str], timezone: str = "UTC", numeric: list[str] | None = None
 ) -> pl.DataFrame:
     """Journeys to serve (one row per journey) -> `event_type`, `event_time`, features, in
     the ingest schema (docs/contract.md, journeys), ready for `score_frame`.
@@ -84,7 +88,8 @@ def journeys_from_request(
     `data.timezone`, as ingest reads it), epoch numbers (s, ms, us or ns, told apart by
     magnitude: ingest's `timestamp_unit: auto`) or datetimes. A feature column that is
     absent, or null for a journey, is a missing value on every event; values are read as
-    text, as ingest reads them. Anything else raises `InputError` with one line.
+    text, as ingest reads them; `numeric` features' values are read as numbers (null:
+    missing). Anything else raises `InputError` with one line.
     """
     import polars as pl
 
@@ -103,7 +108,9 @@ def journeys_from_request(
     for name in ("event_type", "event_time"):
         if name not in frame.columns:
             raise InputError(f"journeys to score lack the {name} column (a list per journey)")
-    lists = [name for name in ("event_type", "event_time", *features) if name in frame.columns]
+    numeric = list(numeric or [])
+    per_event = [*features, *numeric]
+    lists = [name for name in ("event_type", "event_time", *per_event) if name in frame.columns]
     # A column null on every journey (or an empty request) has no list type yet.
     frame = frame.with_columns(
         pl.col(name).cast(pl.List(pl.String)) for name in lists if frame.schema[name] == pl.Null
@@ -125,7 +132,7 @@ def journeys_from_request(
         (pl.col("event_time").list.len() != events, "needs one event_time per event_type"),
         *(
             (pl.col(name).list.len() != events, f"needs one {name} value per event_type")
-            for name in features
+            for name in per_event
             if name in frame.columns
         ),
     )
@@ -142,6 +149,15 @@ def journeys_from_request(
                 if name in frame.columns
                 else missing.alias(name)
                 for name in features
+            ),
+            *(
+                pl.coalesce(
+                    pl.col(name).cast(pl.List(pl.String)).list.eval(pl.element().cast(pl.Float64)),
+                    missing.cast(pl.List(pl.Float64)),
+                ).alias(name)
+                if name in frame.columns
+                else missing.cast(pl.List(pl.Float64)).alias(name)
+                for name in numeric
             ),
         )
     except pl.exceptions.PolarsError as err:  # e.g. a feature list of lists

@@ -312,7 +312,12 @@ def _fit(
         epoch_journeys = positives + fraction * (n_train - positives)
         warn_short_run(settings, epoch_journeys, trainer.world_size)
     datamodule = JourneyDataModule.from_config(config, vocabs, fraction)
-    model_config = model_config_from(config.model, vocabs, max_len=config.journey.max_events)
+    model_config = model_config_from(
+        config.model,
+        vocabs,
+        max_len=config.journey.max_events,
+        n_numeric=len(config.data.numeric_features),
+    )
     module = JourneyModule(model_config, settings, positives / n_train, fraction)
     last = checkpoint_dir / LAST_CHECKPOINT if (resume and checkpoint_dir) else None
     if resume and not (last and last.exists()):
@@ -438,7 +443,9 @@ def _log_and_register(
             for path in evaluation.plots.values():
                 client.log_artifact(run.run_id, str(path), "plots")
             client.set_tag(run.run_id, tracking.BEST_CHECKPOINT_TAG, best)
-            preprocessing = packaging.preprocessing_settings(run.config)
+            preprocessing = packaging.preprocessing_settings(
+                run.config, run.datamodule.continuous.numeric
+            )
             module.model.cpu()  # weights are saved from CPU tensors
             info = packaging.log_model(
                 module.model, run.vocabs, preprocessing, evaluation.temperature

@@ -31,10 +31,12 @@ from torchmetrics.classification import BinaryAUROC
 
 from journeys.data import (
     DEFAULT_BUCKET_BATCHES,
+    ContinuousInputs,
     EncodedJourneys,
     JourneyBatch,
     encode_journeys,
     make_dataloader,
+    numeric_scaling,
     sample_negatives,
 )
 from journeys.datasets import SPLITS, labelled, scan_journeys
@@ -98,6 +100,7 @@ class JourneyDataModule(L.LightningDataModule):
         bucket_batches: int = DEFAULT_BUCKET_BATCHES,
         negative_fraction: float = 1.0,
         time_encodings_timezone: str | None = None,
+        numeric_features: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.journeys_dir = Path(journeys_dir)
@@ -111,7 +114,9 @@ class JourneyDataModule(L.LightningDataModule):
         self.group_by_length = group_by_length
         self.bucket_batches = bucket_batches
         self.negative_fraction = negative_fraction
-        self.time_encodings_timezone = time_encodings_timezone
+        self.numeric_features = list(numeric_features or [])
+        # The time zone of the time encodings, and train's numeric scaling once set up.
+        self.continuous = ContinuousInputs(time_encodings_timezone)
         self.splits: dict[str, EncodedJourneys] = {}
 
     @classmethod
@@ -128,6 +133,7 @@ class JourneyDataModule(L.LightningDataModule):
             seed=config.train.seed,
             negative_fraction=negative_fraction,
             time_encodings_timezone=config.data.timezone if config.model.time_encodings else None,
+            numeric_features=config.data.numeric_features,
         )
 
     @property
@@ -138,11 +144,14 @@ class JourneyDataModule(L.LightningDataModule):
 
     def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
         return encode_journeys(
-            frame, self.vocabs, self.n_time_buckets, self.max_len, self.time_encodings_timezone
+            frame, self.vocabs, self.n_time_buckets, self.max_len, self.continuous
         )
 
     def _columns(self) -> list[str]:
-        return ["journey_id", "label", "event_type", "event_time", *self.vocabs.features]
+        return [
+            "journey_id", "label", "event_type", "event_time",
+            *self.vocabs.features, *self.numeric_features,
+        ]  # fmt: skip
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
@@ -150,6 +159,10 @@ class JourneyDataModule(L.LightningDataModule):
         frame = (
             labelled(scan_journeys(self.journeys_dir)).select("split", *self._columns()).collect()
         )
+        # Numbers are scaled with the train split's statistics only, stored with the model.
+        train = frame.filter(pl.col("split") == "train")
+        scaling = numeric_scaling(train, self.numeric_features)
+        self.continuous = ContinuousInputs(self.continuous.timezone, scaling)
         for split in SPLITS:
             self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
 

@@ -353,9 +353,9 @@ def test_time_encodings_read_gaps_durations_and_local_time(frame: pl.DataFrame) 
     the first event (kept events only), and the local hour and weekday on a circle."""
     import math
 
-    from journeys.data import LOG_SECONDS_SCALE, TIME_ENCODINGS
+    from journeys.data import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
 
-    encoded = encode_journeys(frame, VOCABS, 32, time_encodings_timezone="Asia/Kolkata")
+    encoded = encode_journeys(frame, VOCABS, 32, continuous=ContinuousInputs("Asia/Kolkata"))
     assert encoded.continuous is not None
     assert encoded.continuous.shape == (len(TIME_ENCODINGS), encoded.n_events)
     values = dict(zip(TIME_ENCODINGS, encoded.continuous.tolist(), strict=True))
@@ -376,5 +376,5 @@ def test_time_encodings_read_gaps_durations_and_local_time(frame: pl.DataFrame) 
     batch = JourneyCollator(encoded)([1, 2])
     assert batch.continuous.shape == (2, len(TIME_ENCODINGS), 2)
     assert (batch.continuous[0, :, 1] == 0).all()  # j2's padded slot
-    kept = encode_journeys(frame, VOCABS, 32, max_len=2, time_encodings_timezone="UTC")
+    kept = encode_journeys(frame, VOCABS, 32, max_len=2, continuous=ContinuousInputs("UTC"))
     assert kept.continuous[1, 0] == 0.0  # since the first KEPT event, like the gaps

@@ -1,0 +1,183 @@
+"""Numeric per-event features (`data.numeric_features`): read, quarantined when they are
+not numbers, missing when empty, scaled with the train split's statistics only, stored
+with the model and applied unchanged when scoring, learned from, and aggregated by the
+strong baseline."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from test_ingest import assert_accounting, config_for
+from test_model import fit_and_test_auc
+
+from journeys import baselines
+from journeys.config import Model
+from journeys.data import ContinuousInputs, encode_journeys, numeric_scaling
+from journeys.data import model_config_from as sized
+from journeys.ingest import ingest, run_ingest
+from journeys.model import JourneyTransformer
+from journeys.vocab import Vocabularies, Vocabulary
+from tests.test_reliability import ENV, TINY, cli, path_args, sets
+
+START = datetime(2026, 1, 5, tzinfo=UTC)
+
+
+def priced_log(n_users: int, seed: int, missing: float = 0.1) -> pl.DataFrame:
+    """An event log with a `price` per event: users shown a price under 20 convert far
+    more often; event types and channels carry no signal. Some prices are empty."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for user in range(n_users):
+        t = START + timedelta(days=float(rng.uniform(0, 60)))
+        price = float(np.exp(rng.normal(3.2, 0.8)))  # about 25, from ~5 to ~120
+        for _ in range(int(rng.integers(1, 5))):
+            shown = "" if rng.random() < missing else f"{price * rng.uniform(0.9, 1.1):.2f}"
+            kind = str(rng.choice(["view", "click"]))
+            rows.append((f"u{user}", t.isoformat(), kind, str(rng.choice(["a", "b"])), shown))
+            t += timedelta(minutes=float(rng.exponential(5)))
+        if rng.random() < (0.6 if price < 20 else 0.05):
+            rows.append((f"u{user}", t.isoformat(), "purchase", "a", ""))
+    columns = ["user_id", "timestamp", "event_type", "channel", "price"]
+    return pl.DataFrame(rows, schema=columns, orient="row")
+
+
+def test_numbers_are_read_missing_when_empty_and_quarantined_when_not_numbers(
+    tmp_path: Path,
+) -> None:
+    rows = [
+        ("u1", "2026-01-05T10:00:00Z", "view", "a", "12.5"),
+        ("u1", "2026-01-05T10:01:00Z", "view", "a", ""),  # missing: kept
+        ("u1", "2026-01-05T10:02:00Z", "click", "a", " 3 "),
+        ("u1", "2026-01-05T10:03:00Z", "click", "a", "twelve"),  # not a number
+        ("u1", "2026-01-05T10:04:00Z", "click", "a", "inf"),  # not a finite number
+        ("u1", "2026-01-05T10:05:00Z", "purchase", "a", ""),
+    ]
+    log = pl.DataFrame(rows, schema=["user_id", "timestamp", "event_type", "channel", "price"])
+    log = log.with_columns(pl.col("price").replace("", None))
+    log.write_csv(tmp_path / "log.csv")
+    config = config_for(
+        tmp_path / "log.csv", tmp_path, "data.features=[channel]", "data.numeric_features=[price]"
+    )
+    report = ingest(config)
+    assert_accounting(report)
+    assert report["quarantined"]["bad_numeric"] == 2
+    journeys = run_ingest(config).journeys
+    assert journeys.schema["price"] == pl.List(pl.Float64)
+    assert journeys["price"].to_list() == [[12.5, None, 3.0]]
+    quarantined = pl.read_parquet(tmp_path / "quarantine" / "*.parquet")
+    assert sorted(quarantined["price"].to_list()) == ["inf", "twelve"]  # original text kept
+
+
+def test_scaling_comes_from_train_and_is_applied_unchanged() -> None:
+    """asinh, centred and scaled by the train events; other splits are encoded with those
+    numbers, whatever their own distribution; a missing value is 0 with its flag set."""
+    train = pl.DataFrame({"price": [[1.0, 10.0], [100.0, None]]})
+    scaling = numeric_scaling(train, ["price"])
+    logs = np.arcsinh([1.0, 10.0, 100.0])
+    assert scaling[0][0] == "price"
+    assert scaling[0][1] == pytest.approx(logs.mean())
+    assert scaling[0][2] == pytest.approx(logs.std(ddof=1))
+    vocabs = Vocabularies(by_column={"event_type": Vocabulary(("<pad>", "<unk>", "view"))})
+    later = pl.DataFrame(
+        {
+            "event_type": [["view", "view"]],
+            "event_time": [[START, START + timedelta(seconds=5)]],
+            "price": [[1000.0, None]],
+        },
+        schema_overrides={"event_time": pl.List(pl.Datetime("us", "UTC"))},
+    )
+    encoded = encode_journeys(later, vocabs, 32, continuous=ContinuousInputs(None, scaling))
+    _, centre, scale = scaling[0]
+    # [value, flag] x [the 1000 event, the missing one]
+    assert encoded.continuous.flatten().tolist() == pytest.approx(
+        [(math.asinh(1000.0) - centre) / scale, 0.0, 0.0, 1.0], abs=1e-5
+    )
+
+
+def test_a_price_that_drives_conversion_raises_the_models_auc() -> None:
+    """The same small transformer, with and without the numeric feature: only the price
+    carries the signal, so the model with it ranks converters far better."""
+    frames = {}
+    for split, seed in (("train", 0), ("test", 1)):
+        log = priced_log(1500, seed).with_columns(
+            pl.col("price").replace("", None).cast(pl.Float64),
+            pl.col("timestamp").str.to_datetime(time_zone="UTC"),
+        )
+        frames[split] = log.group_by("user_id", maintain_order=True).agg(
+            pl.col("event_type").filter(pl.col("event_type") != "purchase"),
+            pl.col("timestamp").filter(pl.col("event_type") != "purchase").alias("event_time"),
+            pl.col("price").filter(pl.col("event_type") != "purchase"),
+            (pl.col("event_type") == "purchase").any().cast(pl.Int8).alias("label"),
+        )
+    vocabs = Vocabularies(by_column={"event_type": Vocabulary(("<pad>", "<unk>", "view", "click"))})
+    auc = {}
+    for with_price in (False, True):
+        names = ["price"] if with_price else []
+        inputs = ContinuousInputs(None, numeric_scaling(frames["train"], names))
+        torch.manual_seed(0)
+        settings = Model(d_model=16, n_heads=2, n_layers=1)
+        model = JourneyTransformer(sized(settings, vocabs, max_len=8, n_numeric=len(names)))
+        train = encode_journeys(frames["train"], vocabs, 32, 8, inputs)
+        test = encode_journeys(frames["test"], vocabs, 32, 8, inputs)
+        auc[with_price] = fit_and_test_auc(model, train, test, epochs=4)
+    assert auc[True] > auc[False] + 0.15
+    assert auc[True] > 0.8
+
+
+def test_numeric_aggregates_for_the_strong_baseline() -> None:
+    frame = pl.DataFrame({"price": [[1.0, None, 3.0], [None]]})
+    got = baselines.numeric_aggregates(frame, ["price"]).to_dicts()
+    assert got[0] == {
+        "price_mean": 2.0,
+        "price_min": 1.0,
+        "price_max": 3.0,
+        "price_last": 3.0,
+        "price_sum": 4.0,
+        "price_missing": 1.0,
+    }
+    assert got[1]["price_mean"] is None and got[1]["price_missing"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_run_with_missing_numbers_trains_scores_and_keeps_train_scaling(
+    tmp_path: Path,
+) -> None:
+    """ingest, train and score from the CLI on a log with empty prices: the model's stored
+    scaling is the train split's, and scoring reads it back unchanged."""
+    priced_log(400, seed=2, missing=0.3).write_csv(tmp_path / "log.csv")
+    env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    paths = path_args(tmp_path, tmp_path / "log.csv")
+    settings = sets(
+        *TINY,
+        "train.baselines=[hgb_aggregates]",
+        "data.features=[channel]",
+        "data.numeric_features=[price]",
+        "vocab.min_count=1",
+    )
+    for command in ("ingest", "train", "score"):
+        done = subprocess.run(
+            cli(command, *paths, *settings), cwd=tmp_path, env=env, capture_output=True,
+            text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+    from journeys.datasets import scan_journeys
+    from journeys.packaging import load_model
+
+    journeys = scan_journeys(tmp_path / "journeys").collect()
+    train = journeys.filter(pl.col("split") == "train")
+    expected = numeric_scaling(train, ["price"])
+    assert expected != numeric_scaling(journeys, ["price"])  # the other splits differ
+    loaded = load_model("models:/journey-conversion@champion", env["MLFLOW_TRACKING_URI"])
+    for applied in (loaded.continuous.numeric, loaded.preprocessing["numeric_scaling"]):
+        assert [name for name, _, _ in applied] == ["price"]
+        np.testing.assert_allclose([v for _, *v in applied], [v for _, *v in expected])
+    scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
+    assert scores.height == journeys.height
+    assert scores["conversion_probability"].is_finite().all()
