@@ -283,13 +283,7 @@ def encode_journeys(
             "event_type"
         )
 
-    flat = lists.explode(list_columns, keep_nulls=False, empty_as_null=False).select(
-        vocabs.event_type.ids(pl.col("s0")).cast(pl.Int32).alias("token"),
-        *(
-            vocabs.by_column[name].ids(pl.col(f"s{i + 1}")).cast(pl.Int32).alias(f"f{i}")
-            for i, name in enumerate(features)
-        ),
-        time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
+    inputs = [
         *(
             time_encoding_exprs(pl.col("gap"), pl.col("since_start"), pl.col("time"), zone)
             if zone
@@ -297,17 +291,27 @@ def encode_journeys(
         ),
         *(
             expr
-            for i, (name, centre, scale) in enumerate(continuous.numeric)
+            for i, (_, centre, scale) in enumerate(continuous.numeric)
             for expr in (
-                ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0).alias(name),
-                pl.col(f"n{i}").is_null().cast(pl.Float64).alias(f"{name}_missing"),
+                ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0),
+                pl.col(f"n{i}").is_null(),  # the missing flag
             )
         ),
+    ]
+    flat = lists.explode(list_columns, keep_nulls=False, empty_as_null=False).select(
+        vocabs.event_type.ids(pl.col("s0")).cast(pl.Int32).alias("token"),
+        *(
+            vocabs.by_column[name].ids(pl.col(f"s{i + 1}")).cast(pl.Int32).alias(f"f{i}")
+            for i, name in enumerate(features)
+        ),
+        time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
+        # In `continuous.names` order, under names of ours (a feature may be called "token").
+        *(expr.cast(pl.Float32).alias(f"c{k}") for k, expr in enumerate(inputs)),
     )
     n_events = flat.height
     continuous_tensor = None
-    if continuous.names:
-        values = flat.select(pl.col(continuous.names).cast(pl.Float32)).to_numpy(writable=True)
+    if inputs:
+        values = flat.select(f"c{k}" for k in range(len(inputs))).to_numpy(writable=True)
         continuous_tensor = torch.from_numpy(np.ascontiguousarray(values.T))
     if features:
         # Fortran order [N, F] transposed is a C-contiguous [F, N]: no copy.

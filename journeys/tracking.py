@@ -362,11 +362,12 @@ def ui_command(config: Config, host: str = "127.0.0.1", port: int = 5000) -> Non
         return
     if host not in _LOOPBACK:
         print(f"warning: binding to {host} exposes the MLflow UI to the network", file=sys.stderr)
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
-    command += ["--host", host, "--port", str(port)]
+    command = [sys.executable, "-m", "mlflow", "ui", "--host", host, "--port", str(port)]
     print(f"MLflow UI for {redact_uri(uri)} on http://{host}:{port} (Ctrl+C stops it)")
     env = {
         **os.environ,
+        # The store goes in the environment, not the command line that `ps` shows anyone.
+        "MLFLOW_BACKEND_STORE_URI": uri,
         "MLFLOW_DISABLE_TELEMETRY": os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"),
     }
     returncode = run_supervised(command, env=env)

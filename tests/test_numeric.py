@@ -101,6 +101,28 @@ def test_scaling_comes_from_train_and_is_applied_unchanged() -> None:
     )
 
 
+def test_a_number_may_be_called_like_an_internal_column() -> None:
+    """Users name their columns: a number called `token` or `log_gap` is just a number."""
+    vocabs = Vocabularies(by_column={"event_type": Vocabulary(("<pad>", "<unk>", "view"))})
+    frame = pl.DataFrame(
+        {
+            "event_type": [["view", "view"]],
+            "event_time": [[START, START + timedelta(seconds=5)]],
+            "token": [[2.0, None]],
+            "log_gap": [[None, 7.0]],
+        },
+        schema_overrides={"event_time": pl.List(pl.Datetime("us", "UTC"))},
+    )
+    inputs = ContinuousInputs("UTC", (("token", 0.0, 1.0), ("log_gap", 0.0, 1.0)))
+    encoded = encode_journeys(frame, vocabs, 32, continuous=inputs)
+    assert encoded.tokens.tolist() == [2, 2]
+    assert encoded.continuous.shape == (6 + 4, 2)
+    # token's value and flag, then log_gap's, each over the two events
+    assert encoded.continuous[6:].flatten().tolist() == pytest.approx(
+        [math.asinh(2.0), 0.0, 0.0, 1.0, 0.0, math.asinh(7.0), 1.0, 0.0]
+    )
+
+
 def test_a_price_that_drives_conversion_raises_the_models_auc() -> None:
     """The same small transformer, with and without the numeric feature: only the price
     carries the signal, so the model with it ranks converters far better."""

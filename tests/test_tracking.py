@@ -164,15 +164,20 @@ def test_ui_binds_to_loopback_on_the_configured_store(monkeypatch, capsys) -> No
     class Done:
         returncode = 0
 
+    environments = []
     monkeypatch.setattr(
-        tracking, "run_supervised", lambda cmd, **kw: calls.append(cmd) or Done.returncode
+        tracking,
+        "run_supervised",
+        lambda cmd, **kw: calls.append(cmd) or environments.append(kw["env"]) or Done.returncode,
     )
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = load_config(None, ["mlflow.tracking_uri=sqlite:///x.db"])
     tracking.ui_command(config, host="127.0.0.1", port=5123)
     command = calls[0]
     assert command[1:4] == ["-m", "mlflow", "ui"]
-    assert command[command.index("--backend-store-uri") + 1] == "sqlite:///x.db"
+    # The store (a password, maybe) is in the child's environment, not in its arguments.
+    assert environments[0]["MLFLOW_BACKEND_STORE_URI"] == "sqlite:///x.db"
+    assert "sqlite:///x.db" not in command
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert command[command.index("--port") + 1] == "5123"
     assert "warning" not in capsys.readouterr().err
