@@ -14,8 +14,9 @@ CC BY 4.0) with the product's own pipeline:
 - sequences: the product's ingest (`run_ingest`) on a config derived from
   `conf/bpic2012.yaml` by overrides only: one case is one journey, `data.drop_events` per
   setting (below); the first 40 events of each case are kept. The log it ingests is the raw
-  log plus two derived categorical columns (`prepare_log`): the requested amount's band and
-  the time since the case's first event, as the product has no numeric features;
+  log plus two derived categorical columns (`prepare_log`): the requested amount's band
+  (for a comparison: the model reads the amount itself, `data.numeric_features`) and the
+  time since the case's first event;
 - the transformer: the product's causal `JourneyTransformer`, trained by the product's
   `JourneyModule` and Trainer (`journeys.training`) with configuration only
   (`MODEL_OVERRIDES`): `train.objective=every_prefix` puts the loss at every prefix position
@@ -205,8 +206,8 @@ class PreparedLog:
 def prepare_log(raw: str | Path, folder: Path, config: Config) -> PreparedLog:
     """The raw log plus two derived categorical columns, as Parquet for the product to ingest.
 
-    `amount_band` (the requested amount's band) and `elapsed_band` (time since the case's
-    first event) stand in for numeric features, which the product does not have. Every raw
+    `amount_band` (the requested amount's band, which the model reads only when the amount
+    is not a numeric feature) and `elapsed_band` (time since the case's first event). Every raw
     row and column is kept, as text, so ingest parses exactly what it parses from the CSV;
     timestamps for `elapsed_band` are parsed by the product too (`read_log`).
     """
