@@ -85,7 +85,7 @@ if str(ROOT) not in sys.path:
 
 if TYPE_CHECKING:
     from journeys.config import Config
-    from journeys.data import EncodedJourneys
+    from journeys.data import EncodedJourneys, NumericScaling
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
@@ -576,7 +576,7 @@ def encode_cases(
     vocabs: Vocabularies,
     config: Config,
     labels: np.ndarray | None = None,
-    numeric: tuple[tuple[str, float, float], ...] = (),
+    numeric: NumericScaling = (),
 ) -> EncodedJourneys:
     """The product's `encode_journeys` on a cases frame (first `MAX_PREFIX` events),
     labelled; `numeric` is the train cases' scaling of `data.numeric_features`."""

@@ -41,17 +41,15 @@ def metric_rows(train: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
     return rows
 
 
-def _value(metrics: dict[str, float], name: str) -> str:
-    return format_metric(metrics, name)
-
-
 def metrics_markdown(train: dict[str, Any]) -> str:
     lines = [
         "| model | " + " | ".join(METRICS) + " |",
         "|---|" + "---:|" * len(METRICS),
     ]
     for model, metrics in metric_rows(train):
-        lines.append(f"| {model} | " + " | ".join(_value(metrics, m) for m in METRICS) + " |")
+        lines.append(
+            f"| {model} | " + " | ".join(format_metric(metrics, m) for m in METRICS) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -170,7 +168,10 @@ def console_summary(summary: dict[str, Any]) -> str:
     """The short text `journeys pipeline` prints at the end."""
     ingest, train = summary["ingest"], summary["train"]
     score, attribution = summary["score"], summary["attribution"]
-    rows = [(model, [_value(metrics, m) for m in METRICS]) for model, metrics in metric_rows(train)]
+    rows = [
+        (model, [format_metric(metrics, m) for m in METRICS])
+        for model, metrics in metric_rows(train)
+    ]
     width = max(len(model) for model, _ in rows)
     widths = [
         max(len(name), *(len(cells[i]) for _, cells in rows)) for i, name in enumerate(METRICS)

@@ -149,8 +149,10 @@ def timing_aggregates(
     A visit opens at every gap of at least `visit_gap_s` seconds (the model's
     `model.visit_gap`); without one, every journey is one visit.
     """
+    from journeys.data import gap_seconds_expr
+
     time = pl.col("event_time")
-    gaps = time.list.eval(pl.element().diff().dt.total_seconds(fractional=True)).list.slice(1)
+    gaps = gap_seconds_expr(time).list.slice(1)  # the first event has no gap
     first = time.list.first().dt.convert_time_zone(timezone)
     last = time.list.last().dt.convert_time_zone(timezone)
     opened = gaps.list.eval(pl.element() >= visit_gap_s).list.sum() if visit_gap_s else pl.lit(0)
@@ -242,10 +244,9 @@ class JourneyAggregates:
             for c in self.last_touch_columns
         )
         timing = timing_aggregates(frame, self.timezone, self.visit_gap_s)
-        numbers = numeric_aggregates(frame, self.numeric).cast(pl.Float64)
         blocks = [self.bag.transform(frame).toarray(), timing.to_numpy()]
-        if self.numeric:
-            blocks.append(numbers.to_numpy())
+        if self.numeric:  # (no columns would also mean no rows)
+            blocks.append(numeric_aggregates(frame, self.numeric).cast(pl.Float64).to_numpy())
         blocks.append(codes.to_numpy())
         return np.hstack(blocks).astype(np.float32)  # nulls are NaN: missing for the trees
 
@@ -381,14 +382,6 @@ def ahead_of_transformer(
     return sorted(name for name, m in baselines.items() if m.get("test_roc_auc", math.nan) > high)
 
 
-def visit_gap_seconds(config: Config) -> float | None:
-    """`model.visit_gap` in seconds (None when visits are off)."""
-    from journeys.config import parse_duration
-
-    gap = config.model.visit_gap
-    return None if gap is None else parse_duration(gap).total_seconds()
-
-
 def run_baselines(
     names: list[str],
     train: pl.DataFrame,
@@ -417,7 +410,7 @@ def run_baselines(
             config.train.bigrams,
             config.train.seed,
             timezone=config.data.timezone,
-            visit_gap_s=visit_gap_seconds(config),
+            visit_gap_s=config.model.visit_gap_s,
             numeric_features=config.data.numeric_features,
         )
         scores = M.binary_metrics(labels, probs)

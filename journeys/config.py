@@ -289,6 +289,11 @@ class Model(Section):
     # 32 buckets blur, and that gradient boosting on aggregates uses (`hgb_aggregates`).
     time_encodings: bool = False
 
+    @property
+    def visit_gap_s(self) -> float | None:
+        """`visit_gap` in seconds (None when visits are off)."""
+        return None if self.visit_gap is None else parse_duration(self.visit_gap).total_seconds()
+
     @model_validator(mode="after")
     def _heads_divide(self) -> Model:
         if self.d_model % self.n_heads:

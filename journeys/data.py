@@ -43,7 +43,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-from journeys.config import Model, parse_duration
+from journeys.config import Model
 from journeys.errors import InputError
 from journeys.model import ModelConfig
 from journeys.vocab import PAD_ID, Vocabularies
@@ -77,29 +77,28 @@ TIME_ENCODINGS = (
 LOG_SECONDS_SCALE = math.log1p(30 * 86400)
 
 
+# (name, centre, scale) of asinh(value) over the train events, per numeric feature: asinh is
+# log-like for prices and amounts, whose tails span orders of magnitude, and keeps zero and
+# signs.
+NumericScaling = tuple[tuple[str, float, float], ...]
+
+
 @dataclass(frozen=True)
 class ContinuousInputs:
-    """The continuous inputs `encode_journeys` adds per event: the time encodings (when
-    `timezone` is set: hours are read there), then for each numeric feature its value
-    scaled with train's statistics (0 where missing) and a flag where it is missing."""
+    """The continuous inputs `encode_journeys` adds per event, in this order: the time
+    encodings (when `timezone` is set: hours are read there), then for each numeric
+    feature its value scaled with train's statistics (0 where missing) and a flag where it
+    is missing (`continuous_count` of them)."""
 
     timezone: str | None = None
-    # (name, centre, scale) of asinh(value) over the train events: asinh is log-like for
-    # prices and amounts, whose tails span orders of magnitude, and keeps zero and signs.
-    numeric: tuple[tuple[str, float, float], ...] = ()
-
-    @property
-    def names(self) -> list[str]:
-        time = list(TIME_ENCODINGS) if self.timezone else []
-        flags = [f"{name}{end}" for name, _, _ in self.numeric for end in ("", "_missing")]
-        return [*time, *flags]
+    numeric: NumericScaling = ()
 
     @property
     def numeric_names(self) -> list[str]:
         return [name for name, _, _ in self.numeric]
 
 
-def numeric_scaling(frame: pl.DataFrame, names: list[str]) -> tuple[tuple[str, float, float], ...]:
+def numeric_scaling(frame: pl.DataFrame, names: list[str]) -> NumericScaling:
     """(name, centre, scale) of asinh(value) over every non-missing event of `frame` (the
     train split): what scoring applies unchanged. A constant column gets scale 1."""
     out = []
@@ -112,7 +111,7 @@ def numeric_scaling(frame: pl.DataFrame, names: list[str]) -> tuple[tuple[str, f
 
 
 def continuous_count(time_encodings: bool, n_numeric: int) -> int:
-    """How many continuous inputs a model reads per event (`ContinuousInputs.names`)."""
+    """How many continuous inputs a model reads per event (`ContinuousInputs`)."""
     return (len(TIME_ENCODINGS) if time_encodings else 0) + 2 * n_numeric
 
 
@@ -152,9 +151,9 @@ def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
 
 def visit_bucket(settings: Model) -> int | None:
     """The time bucket of `model.visit_gap` (None when off): gaps in it or above open a visit."""
-    if settings.visit_gap is None:
+    seconds = settings.visit_gap_s
+    if seconds is None:
         return None
-    seconds = parse_duration(settings.visit_gap).total_seconds()
     return int(pl.select(time_bucket_expr(pl.lit(seconds), settings.time_buckets)).item())
 
 
@@ -241,7 +240,7 @@ def encode_journeys(
     Unknown tokens and missing values map to id 1. With `max_len`, only the most recent
     `max_len` events of a journey are kept (as ingest does); time gaps are measured within
     the kept events, so the first kept event always gets bucket 1. With `continuous`,
-    its inputs are computed too (`EncodedJourneys.continuous`, in `names` order).
+    its inputs are computed too (`EncodedJourneys.continuous`, in its order).
     """
     features = vocabs.features
     sequences = ["event_type", *features]
@@ -305,7 +304,7 @@ def encode_journeys(
             for i, name in enumerate(features)
         ),
         time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
-        # In `continuous.names` order, under names of ours (a feature may be called "token").
+        # In `ContinuousInputs` order, under names of ours (a feature may be called "token").
         *(expr.cast(pl.Float32).alias(f"c{k}") for k, expr in enumerate(inputs)),
     )
     n_events = flat.height
@@ -355,7 +354,7 @@ class JourneyBatch(NamedTuple):
     mask: Tensor  # [B, L] bool, True on real events (right padding)
     labels: Tensor  # [B] float32
     index: Tensor  # [B] int64, positions in the EncodedJourneys (e.g. for journey ids)
-    continuous: Tensor | None = None  # [B, C, L] float32 (time encodings), None when off
+    continuous: Tensor | None = None  # [B, C, L] float32 (`ContinuousInputs`), None: none
 
 
 class JourneyDataset(Dataset[int]):

@@ -260,6 +260,12 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
     )
 
 
+def parse_number(text: pl.Expr) -> pl.Expr:
+    """A numeric feature's text -> Float64, spaces around it ignored; null when empty or not
+    a number (`scan_events` quarantines the latter, `clean_events` casts the rest)."""
+    return text.str.strip_chars().cast(pl.Float64, strict=False)
+
+
 def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
     """All rows of all sources, lazily: logical columns as text, `ts`, source, row, `reason`.
 
@@ -283,9 +289,10 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
     # A number is missing when empty; text that is not a finite number is an error.
     bad_numeric = pl.lit(False)
     for name in data.numeric_features:
-        text = pl.col(name).str.strip_chars()
-        number = text.cast(pl.Float64, strict=False)
-        bad_numeric = bad_numeric | ((text != "") & ~number.is_finite().fill_null(False))
+        given = pl.col(name).str.strip_chars() != ""
+        bad_numeric = bad_numeric | (
+            given & ~parse_number(pl.col(name)).is_finite().fill_null(False)
+        )
     reason = (
         pl.when(user.is_null() | (user == ""))
         .then(pl.lit("missing_user_id"))
@@ -341,10 +348,7 @@ def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
         pl.col("user_id").str.strip_chars(),
         (event.replace(data.event_map) if data.event_map else event).alias("event_type"),
         *[pl.col(name).str.strip_chars() for name in data.features],
-        *[
-            pl.col(name).str.strip_chars().cast(pl.Float64, strict=False)
-            for name in data.numeric_features
-        ],
+        *[parse_number(pl.col(name)) for name in data.numeric_features],
     )
     kept = deduped.filter(~pl.col("event_type").is_in(data.drop_events))
     return CleanEvents(

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import polars as pl
 
     from journeys.config import Config
-    from journeys.data import ContinuousInputs, EncodedJourneys
+    from journeys.data import ContinuousInputs, EncodedJourneys, NumericScaling
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
@@ -54,9 +54,7 @@ PREDICT_BATCH_SIZE = 1024
 _MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/]+))/?")
 
 
-def preprocessing_settings(
-    config: Config, numeric_scaling: tuple[tuple[str, float, float], ...] = ()
-) -> dict[str, Any]:
+def preprocessing_settings(config: Config, numeric_scaling: NumericScaling = ()) -> dict[str, Any]:
     """Everything scoring needs to rebuild journeys exactly as training saw them, the
     numeric features' train scaling (`journeys.data.numeric_scaling`) included."""
     data, journey = config.data, config.journey
@@ -96,6 +94,12 @@ class LoadedModel:
     @property
     def numeric_features(self) -> list[str]:
         return list(self.preprocessing.get("numeric_features", []))
+
+    @property
+    def event_columns(self) -> list[str]:
+        """The per-event columns the model reads besides event types and times (as
+        `Data.event_columns`): its features, then its numbers."""
+        return [*self.vocabs.features, *self.numeric_features]
 
     @property
     def continuous(self) -> ContinuousInputs:

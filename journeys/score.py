@@ -97,7 +97,7 @@ def score_frame(
     from journeys.metrics import sigmoid
 
     max_len = loaded.max_len
-    features = [*loaded.vocabs.features, *loaded.numeric_features]
+    features = loaded.event_columns
     outputs = run_model(loaded.model, loaded.encode(frame), batch_size, attention, device)
 
     temperature = float(loaded.temperature)
@@ -238,8 +238,7 @@ def score_dataset(
     if not parts:
         raise InputError(f"no journeys (part-*.parquet) in {folder.absolute()}")
     features = loaded.vocabs.features
-    read = [*features, *loaded.numeric_features]
-    columns = scoring_columns(input_schema(parts), read, folder)
+    columns = scoring_columns(input_schema(parts), loaded.event_columns, folder)
     optional = [name for name in OPTIONAL_COLUMNS if name in columns]
     schema = scores_schema(
         features, optional, bool(loaded.model.config.causal), loaded.numeric_features

@@ -44,10 +44,9 @@ def signature(preprocessing: dict[str, Any], causal: bool = False) -> ModelSigna
     inputs = [
         ColSpec(Array(AnyType()), "event_type"),
         ColSpec(Array(AnyType()), "event_time"),
-        *(ColSpec(Array(AnyType()), name, required=False) for name in features),
         *(
             ColSpec(Array(AnyType()), name, required=False)
-            for name in preprocessing.get("numeric_features", [])
+            for name in [*features, *preprocessing.get("numeric_features", [])]
         ),
     ]
     outputs = [
