@@ -64,6 +64,8 @@ def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str], w
             f"mlflow.tracking_uri={uri}",
             "mlflow.experiment=journeys-quality",
             "mlflow.registered_model=journey-conversion-quality",
+            # The simulator's price drives conversion (TrueModel.price_premium): read it.
+            "data.numeric_features=[price]",
             *overrides,
         ],
     )
@@ -118,61 +120,20 @@ def oracle_metrics(test: TestTruth) -> dict[str, float]:
 
 
 def true_effects(truth: Path, journey_ids) -> tuple[np.ndarray, list[str]]:
-    """The simulator's true-model features (`TrueModel`) of the given journeys, recomputed
-    from the clean events: design matrix [n, k] (with a constant) and the feature names."""
+    """The simulator's true-model features (`TrueModel`) of the given journeys, as the
+    simulator wrote them with its truth: design matrix [n, k] (with a constant) and the
+    feature names. The first touch is relative to `direct`, as the constant stands for it."""
     import polars as pl
 
-    from journeys.simulate import CHANNELS, Behaviour, TrueModel
-
-    m = TrueModel()
-    events = (
-        pl.read_parquet(truth / "events.parquet")
-        .join(pl.DataFrame({"journey_id": journey_ids}), on="journey_id")
-        .sort("journey_id", "position")
-    )
-    gap = pl.col("timestamp").diff().over("journey_id").dt.total_seconds(fractional=True)
-    events = events.with_columns(
-        gap=gap.fill_null(0),
-        n=pl.len().over("journey_id"),
-        is_click=pl.col("event_type") == "click",
-        is_cart=pl.col("event_type") == "add_to_cart",
-    )
-    search_click = pl.col("is_click") & (pl.col("channel") == "paid_search")
-    events = events.with_columns(
-        # in-visit gaps are at most event_gap_max_s in the simulator, visit gaps longer
-        visit_start=(pl.col("position") == 0) | (pl.col("gap") >= Behaviour().event_gap_max_s),
-        last_click=pl.when(pl.col("is_click")).then(pl.col("position")).max().over("journey_id"),
-        recent=pl.col("position") >= pl.col("n") - m.recent_window,
-        pair=pl.col("is_cart")
-        & pl.any_horizontal(
-            search_click.shift(k).over("journey_id").fill_null(False)
-            for k in range(1, m.search_cart_window + 1)
-        ),
-    )
-    features = events.group_by("journey_id").agg(
-        cart_after_last_click=(
-            pl.col("is_cart") & (pl.col("position") > pl.col("last_click"))
-        ).any(),
-        recent_cart=(
-            pl.col("recent") & pl.col("event_type").is_in(["add_to_cart", "checkout"])
-        ).any(),
-        recent_product_view=(pl.col("recent") & (pl.col("event_type") == "product_view")).any(),
-        search_to_cart=pl.col("pair").any(),
-        final_visit_gap=(pl.col("gap").filter(pl.col("visit_start")).last() / 3600 / 12).log1p(),
-        product_view_count=(pl.col("event_type") == "product_view").sum().log1p(),
-        first_channel=pl.col("channel").first(),
+    effects = pl.read_parquet(truth / "journeys.parquet").select(
+        "journey_id", pl.selectors.starts_with("effect_") - pl.selectors.ends_with("_direct")
     )
     features = pl.DataFrame({"journey_id": journey_ids}).join(
-        features, on="journey_id", how="left", maintain_order="left"
+        effects, on="journey_id", how="left", maintain_order="left"
     )
-    names = [c for c in features.columns if c not in ("journey_id", "first_channel")]
-    columns = [features.get_column(c).cast(pl.Float64).to_numpy() for c in names]
-    channels = [c for c in CHANNELS if c != "direct"]  # relative to direct, as TrueModel
-    columns += [
-        (features.get_column("first_channel") == c).to_numpy().astype(float) for c in channels
-    ]
-    names += [f"first_touch_{c}" for c in channels]
-    return np.column_stack([*columns, np.ones(len(journey_ids))]), [*names, "intercept"]
+    names = [c.removeprefix("effect_") for c in features.columns[1:]]
+    design = features.drop("journey_id").cast(pl.Float64).to_numpy()
+    return np.column_stack([design, np.ones(len(journey_ids))]), [*names, "intercept"]
 
 
 def expected_roc_auc(scores: np.ndarray, true_probability: np.ndarray) -> float:
@@ -292,6 +253,7 @@ def main() -> None:
         "transformer": [],
     }
     timing: dict[str, list[float]] = {}
+    effects: list[dict[str, list[float]]] = []  # per seed: feature -> [truth, transformer]
     for seed in args.seeds:
         seeded = config.model_copy(update={"train": config.train.model_copy(update={"seed": seed})})
         start = time.perf_counter()
@@ -318,7 +280,9 @@ def main() -> None:
             recovered = effect_recovery(test, logits)
             print(f"seed {seed}: effect recovery (coefficient on the true features, test set)")
             for name, true, learned in recovered:
-                print(f"  {name:<26} truth {true:+6.2f}  transformer {learned:+6.2f}")
+                share = f"{learned / true:6.0%}" if abs(true) > 1e-9 else ""
+                print(f"  {name:<26} truth {true:+6.2f}  transformer {learned:+6.2f}  {share}")
+            effects.append({name: [true, learned] for name, true, learned in recovered})
 
     from rich.console import Console
     from rich.table import Table
@@ -345,6 +309,8 @@ def main() -> None:
         summary[model]["expected_roc_auc"] = [float(auc.mean()), float(auc.std())]
     Console(width=140).print(table)
     summary["seconds"] = timing
+    if effects:
+        summary["effects"] = effects
     (args.workdir / "results.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -224,9 +224,20 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
     found = {logical: column_expr(raw, schema) for logical, raw in raw_names.items()}
     missing = [f"{raw_names[name]} ({name})" for name, hit in found.items() if hit is None]
     if missing:
-        hint = "the file has no header row? set data.header: false" if data.header else ""
+        # Without a header row the required columns go missing too.
+        headerless = data.header and any(found[name] is None for name in REQUIRED)
+        hint = "the file has no header row? set data.header: false" if headerless else ""
+        listed = [
+            key
+            for key, names in (
+                ("features", data.features),
+                ("numeric_features", data.numeric_features),
+            )
+            if any(found[name] is None for name in names)
+        ]
+        remedy = " or drop it from " + " / ".join(f"data.{key}" for key in listed) if listed else ""
         raise InputError(
-            f"{path}: missing column(s) {', '.join(missing)}; see data.columns"
+            f"{path}: missing column(s) {', '.join(missing)}; see data.columns{remedy}"
             + (f" ({hint})" if hint and fmt == "csv" else "")
         )
     columns = {name: hit for name, hit in found.items() if hit is not None}

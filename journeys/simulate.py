@@ -3,10 +3,11 @@
 Each user goes through one or more journeys: visits brought in by a marketing channel (an
 ad click, an email, ... or `direct`), browsing events inside each visit, and, for converted
 journeys, a final `purchase`. Whether a journey converts is drawn from a *true* probability
-that depends on the ORDER, RECENCY, FIRST TOUCH and TIMING of its events, so a model that
-only counts events cannot reach the Bayes-optimal score: there is room for a sequence
-model to win. The events that raised the true log-odds are marked as causal, as ground
-truth for attribution.
+that depends on the ORDER, RECENCY, FIRST TOUCH, TIMING (time away, the first visit's
+length, the hour of day) and PRICE of its events, so a model that only counts events cannot
+reach the Bayes-optimal score: there is room for a sequence model to win. Each effect's
+value per journey is written with the truth, and the events that raised the true log-odds
+are marked as causal, as ground truth for attribution.
 
 Everything is vectorised with numpy (one loop over event positions, at most
 `Behaviour.length_max` short steps) and written with Polars; 10 million events take
@@ -15,9 +16,11 @@ seconds. The same arguments give byte-identical files.
 Layout written under `out/` (the ingester skips names starting with `_` or `.`)::
 
     events.csv | events.jsonl | events.parquet       (or events-000.csv, ... with n_files > 1)
-    _truth/journeys.parquet   one row per journey: true_probability, converted, ...
+    _truth/journeys.parquet   one row per journey: true_probability, converted, and each
+                              effect of the true model (`effect_<name>`, see TrueModel)
     _truth/events.parquet     clean events (no dirt, no duplicates, no purchase) + causal flag
-    _truth/summary.json       counts, dirty counts, realised conversion rate
+    _truth/summary.json       counts, dirty counts, realised conversion rate, and the true
+                              model's coefficients and intercept
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ RAW_COLUMNS: tuple[str, ...] = (
     "channel",
     "device",
     "campaign",
+    "price",
 )
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S%.3fZ"
 DIRTY_KINDS: tuple[str, ...] = (
@@ -79,6 +83,7 @@ DIRTY_KINDS: tuple[str, ...] = (
     "duplicates",
 )
 
+_MS_PER_MINUTE = 60_000
 _MS_PER_HOUR = 3_600_000
 _MS_PER_DAY = 24 * _MS_PER_HOUR
 
@@ -118,6 +123,13 @@ class Behaviour:
     # Each user has a primary device; a visit uses another device with `device_switch_prob`.
     device_mix: tuple[float, ...] = (0.55, 0.35, 0.10)
     device_switch_prob: float = 0.15
+    # Prices: each user has a usual price level (log-normal over users); each priced event
+    # (a product seen, carted or checked out) costs that level times log-normal noise, in
+    # cents. Other events have no price (an empty field: a missing value).
+    priced_events: tuple[int, ...] = (PRODUCT_VIEW, ADD_TO_CART, CHECKOUT)
+    price_usual_median: float = 40.0
+    price_usual_sigma: float = 0.8
+    price_sigma: float = 0.4
     # Next browsing event given the previous event: rows in EVENT_TYPES order up to checkout
     # (search, page_view, product_view, click, add_to_cart, checkout), columns BROWSE_EVENTS.
     transitions: tuple[tuple[float, ...], ...] = (
@@ -152,6 +164,17 @@ class TrueModel:
     search_to_cart: float = 0.9
     # TIMING: per unit of log1p(hours away before the final visit / 12); negative = decay.
     final_visit_gap: float = -1.2
+    # TIMING: a long first visit, per unit of log1p(its minutes / first_visit_scale_min).
+    long_first_visit: float = 0.6
+    first_visit_scale_min: float = 5.0
+    # TIME OF DAY: times cos(2 pi (hour - peak) / 24) of the last event's UTC hour: the
+    # evening converts best, the small hours worst.
+    hour_of_day: float = 0.5
+    hour_peak: float = 20.0
+    # PRICE: per unit of log(price of the last priced event) minus the mean log price of the
+    # journey's priced events: dearer than the user's usual converts less (0 when the
+    # journey has fewer than two prices).
+    price_premium: float = -1.2
     # COUNTS contribute a little: per unit of log1p(number of product_views).
     product_view_count: float = 0.15
 
@@ -193,7 +216,12 @@ class _Clean:
     e_channel: np.ndarray
     e_device: np.ndarray
     e_campaign: np.ndarray  # index into the flat campaign list, -1 for none
+    e_price: np.ndarray  # NaN for events without a price
     e_causal: np.ndarray
+    # the true model: name -> per-journey value, name -> coefficient, and the intercept
+    effects: dict[str, np.ndarray]
+    coefficients: dict[str, float]
+    intercept: float
 
 
 # --- public entry point ----------------------------------------------------------------------
@@ -238,13 +266,20 @@ def simulate(
     _check_behaviour(behaviour)
     out = Path(out)
 
-    # Independent streams, so that dirt and shuffling never change the clean events.
-    clean_rng, dirt_rng, shuffle_rng = (
-        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(3)
+    # Independent streams, so that dirt and shuffling never change the clean events, and
+    # prices (drawn last) leave the events' timeline and types as they were without them.
+    clean_rng, dirt_rng, shuffle_rng, price_rng = (
+        np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(4)
     )
     start_ms = _epoch_ms(start)
     clean = _simulate_clean(
-        clean_rng, users, start_ms, days * _MS_PER_DAY, conversion_rate, behaviour, true_model
+        (clean_rng, price_rng),
+        users,
+        start_ms,
+        days * _MS_PER_DAY,
+        conversion_rate,
+        behaviour,
+        true_model,
     )
     log = _clean_log(clean)
     log, dirty = _add_dirt(log, dirt_rng, dirty_rate)
@@ -278,6 +313,7 @@ def simulate(
         "days": days,
         "format": format,
         "shuffle": shuffle,
+        "true_model": {"coefficients": clean.coefficients, "intercept": clean.intercept},
     }
     write_json(summary, truth_dir / "summary.json")
     return result
@@ -296,13 +332,15 @@ def _check_behaviour(b: Behaviour) -> None:
         raise ValueError(f"channel mixes need {len(CHANNELS)} weights")
     if np.shape(b.transitions) != (CHECKOUT + 1, len(BROWSE_EVENTS)):
         raise ValueError("transitions must be a 6 x 5 table (see Behaviour)")
+    if not set(b.priced_events) <= set(BROWSE_EVENTS):
+        raise ValueError("priced_events must be browsing events (see BROWSE_EVENTS)")
 
 
 # --- clean simulation ------------------------------------------------------------------------
 
 
 def _simulate_clean(
-    rng: np.random.Generator,
+    rngs: tuple[np.random.Generator, np.random.Generator],
     n_users: int,
     start_ms: int,
     range_ms: int,
@@ -311,6 +349,7 @@ def _simulate_clean(
     m: TrueModel,
 ) -> _Clean:
     """Journeys, their events and labels, all as flat numpy arrays."""
+    rng, price_rng = rngs
     # Proposed journeys per user; timing decides later which of them fit in the range.
     n_proposed = 1 + rng.poisson(b.extra_journeys_mean, n_users)
     p_user = np.repeat(np.arange(n_users, dtype=np.int64), n_proposed)
@@ -400,10 +439,22 @@ def _simulate_clean(
 
     e_type = _event_types(rng, b, visit_start, e_channel, j_offset, j_length, n_e)
 
+    e_price = _prices(price_rng, b, n_users, j_user[e_journey], e_type)
+
     # True log-odds from sequence features, then a calibrated intercept and the labels.
-    score, causal = _true_score(
-        m, e_type, e_channel, e_journey, e_position, e_time_ms, visit_start, j_offset, j_length
+    effects, coefficients, causal = _true_effects(
+        m,
+        e_type,
+        e_channel,
+        e_price,
+        e_journey,
+        e_position,
+        e_time_ms,
+        visit_start,
+        j_offset,
+        j_length,
     )
+    score = sum(coefficients[name] * value for name, value in effects.items())
     intercept = _calibrate_intercept(score, conversion_rate)
     j_prob = 1.0 / (1.0 + np.exp(-(score + intercept)))
     j_converted = rng.random(n_j) < j_prob
@@ -426,7 +477,11 @@ def _simulate_clean(
         e_channel=e_channel,
         e_device=e_device,
         e_campaign=e_campaign,
+        e_price=e_price,
         e_causal=causal,
+        effects=effects,
+        coefficients=coefficients,
+        intercept=intercept,
     )
 
 
@@ -464,31 +519,51 @@ def _event_types(
     return e_type
 
 
-def _true_score(
+def _prices(
+    rng: np.random.Generator,
+    b: Behaviour,
+    n_users: int,
+    e_user: np.ndarray,
+    e_type: np.ndarray,
+) -> np.ndarray:
+    """Each priced event's price in cents (the user's usual level times noise); NaN if none."""
+    usual = b.price_usual_median * np.exp(b.price_usual_sigma * rng.standard_normal(n_users))
+    noise = np.exp(b.price_sigma * rng.standard_normal(len(e_type)))
+    price = np.maximum(np.round(usual[e_user] * noise, 2), 0.01)
+    return np.where(np.isin(e_type, b.priced_events), price, np.nan)
+
+
+def _true_effects(
     m: TrueModel,
     e_type: np.ndarray,
     e_channel: np.ndarray,
+    e_price: np.ndarray,
     e_journey: np.ndarray,
     e_position: np.ndarray,
     e_time_ms: np.ndarray,
     visit_start: np.ndarray,
     j_offset: np.ndarray,
     j_length: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """True log-odds (without intercept) per journey, and the causal flag per event."""
-    n_j = len(j_offset)
+) -> tuple[dict[str, np.ndarray], dict[str, float], np.ndarray]:
+    """The true model's features per journey, their coefficients, and the causal flag per
+    event. The true log-odds (without intercept) is the sum of coefficient times feature."""
     is_click = e_type == CLICK
     is_cart = e_type == ADD_TO_CART
     is_cart_or_checkout = is_cart | (e_type == CHECKOUT)
     is_product_view = e_type == PRODUCT_VIEW
     causal = np.zeros(len(e_type), dtype=bool)
-    score = np.zeros(n_j)
+    effects: dict[str, np.ndarray] = {}
+    coefficients: dict[str, float] = {}
+
+    def effect(name: str, coefficient: float, value: np.ndarray) -> None:
+        effects[name] = value.astype(np.float64)
+        coefficients[name] = float(coefficient)
 
     # ORDER: carts after the last ad click.
     last_click = np.maximum.reduceat(np.where(is_click, e_position, -1), j_offset)
     cart_after = is_cart & (last_click[e_journey] >= 0) & (e_position > last_click[e_journey])
     has_cart_after = np.bitwise_or.reduceat(cart_after, j_offset)
-    score += m.cart_after_last_click * has_cart_after
+    effect("cart_after_last_click", m.cart_after_last_click, has_cart_after)
     if m.cart_after_last_click > 0:
         causal |= cart_after
         causal |= is_click & has_cart_after[e_journey] & (e_position == last_click[e_journey])
@@ -497,18 +572,21 @@ def _true_score(
     recent = e_position >= (j_length[e_journey] - m.recent_window)
     recent_cart = recent & is_cart_or_checkout
     recent_view = recent & is_product_view
-    score += m.recent_cart * np.bitwise_or.reduceat(recent_cart, j_offset)
-    score += m.recent_product_view * np.bitwise_or.reduceat(recent_view, j_offset)
+    effect("recent_cart", m.recent_cart, np.bitwise_or.reduceat(recent_cart, j_offset))
+    effect(
+        "recent_product_view", m.recent_product_view, np.bitwise_or.reduceat(recent_view, j_offset)
+    )
     if m.recent_cart > 0:
         causal |= recent_cart
     if m.recent_product_view > 0:
         causal |= recent_view
 
-    # FIRST TOUCH: the channel of the journey's first visit.
-    first_touch = np.asarray(m.first_touch)
-    score += first_touch[e_channel[j_offset]]
+    # FIRST TOUCH: the channel of the journey's first visit, one effect per channel.
+    first_channel = e_channel[j_offset]
+    for code, channel in enumerate(CHANNELS):
+        effect(f"first_touch_{channel}", m.first_touch[code], first_channel == code)
     first_raises = np.zeros(len(e_type), dtype=bool)
-    first_raises[j_offset] = first_touch[e_channel[j_offset]] > 0
+    first_raises[j_offset] = np.asarray(m.first_touch)[first_channel] > 0
     causal |= first_raises
 
     # INTERACTION: a paid_search click followed within a few events by an add_to_cart.
@@ -520,8 +598,7 @@ def _true_score(
         hit = is_cart[k:] & search_click[:-k] & (e_position[k:] >= k)
         pair_cart[k:] |= hit
         pair_click[:-k] |= hit
-    has_pair = np.bitwise_or.reduceat(pair_cart, j_offset)
-    score += m.search_to_cart * has_pair
+    effect("search_to_cart", m.search_to_cart, np.bitwise_or.reduceat(pair_cart, j_offset))
     if m.search_to_cart > 0:
         causal |= pair_cart | pair_click
 
@@ -529,12 +606,44 @@ def _true_score(
     last_visit = np.maximum.reduceat(np.where(visit_start, e_position, 0), j_offset)
     at = j_offset + last_visit
     away_h = np.where(last_visit > 0, (e_time_ms[at] - e_time_ms[at - 1]) / _MS_PER_HOUR, 0.0)
-    score += m.final_visit_gap * np.log1p(away_h / 12.0)
+    effect("final_visit_gap", m.final_visit_gap, np.log1p(away_h / 12.0))
+
+    # TIMING: how long the first visit lasted (its first to its last event). A duration is
+    # no one event's doing, so no event is marked causal for it; nor for the hour below.
+    second_visit = np.minimum.reduceat(
+        np.where(visit_start & (e_position > 0), e_position, j_length[e_journey]), j_offset
+    )
+    first_visit_ms = e_time_ms[j_offset + second_visit - 1] - e_time_ms[j_offset]
+    effect(
+        "long_first_visit",
+        m.long_first_visit,
+        np.log1p(first_visit_ms / _MS_PER_MINUTE / m.first_visit_scale_min),
+    )
+
+    # TIME OF DAY of the journey's last event (UTC, fractional hours).
+    last_ms = e_time_ms[j_offset + j_length - 1]
+    hour = (last_ms % _MS_PER_DAY) / _MS_PER_HOUR
+    effect("hour_of_day", m.hour_of_day, np.cos(2 * np.pi * (hour - m.hour_peak) / 24))
+
+    # PRICE: the last priced event against the journey's own prices (the user's usual).
+    priced = ~np.isnan(e_price)
+    log_price = np.where(priced, np.log(np.where(priced, e_price, 1.0)), 0.0)
+    n_priced = np.add.reduceat(priced.astype(np.int64), j_offset)
+    mean_log_price = np.add.reduceat(log_price, j_offset) / np.maximum(n_priced, 1)
+    last_priced = np.maximum.reduceat(np.where(priced, e_position, -1), j_offset)
+    last_log_price = log_price[j_offset + np.maximum(last_priced, 0)]
+    premium = np.where(n_priced >= 2, last_log_price - mean_log_price, 0.0)
+    effect("price_premium", m.price_premium, premium)
+    # The last priced event raised the log-odds when its term is positive.
+    price_raises = np.zeros(len(e_type), dtype=bool)
+    raised = (m.price_premium * premium > 0) & (n_priced >= 2)
+    price_raises[(j_offset + last_priced)[raised]] = True
+    causal |= price_raises
 
     # COUNTS, a little.
     n_views = np.add.reduceat(is_product_view.astype(np.int64), j_offset)
-    score += m.product_view_count * np.log1p(n_views)
-    return score, causal
+    effect("product_view_count", m.product_view_count, np.log1p(n_views))
+    return effects, coefficients, causal
 
 
 def _calibrate_intercept(score: np.ndarray, rate: float) -> float:
@@ -576,6 +685,7 @@ def _clean_log(c: _Clean) -> pl.DataFrame:
     channel = scatter(c.e_channel, c.e_channel[last])
     device = scatter(c.e_device, c.e_device[last])
     campaign = scatter(c.e_campaign, c.e_campaign[last])
+    price = scatter(c.e_price, np.full(len(conv), np.nan))  # a purchase carries no price
 
     campaigns = pl.Series([name for names in CAMPAIGNS for name in names] + [None])
     campaign = np.where(campaign < 0, len(campaigns) - 1, campaign)
@@ -589,6 +699,7 @@ def _clean_log(c: _Clean) -> pl.DataFrame:
             "channel": pl.Series(CHANNELS).gather(channel),
             "device": pl.Series(DEVICES).gather(device),
             "campaign": campaigns.gather(campaign),
+            "price": pl.Series(price).fill_nan(None),
         }
     )
 
@@ -690,6 +801,7 @@ def _truth_journeys(c: _Clean) -> pl.DataFrame:
             "true_probability": c.j_prob.astype(np.float64),
             "converted": c.j_converted,
             "n_events": c.j_length.astype(np.int64),
+            **{f"effect_{name}": value for name, value in c.effects.items()},
         }
     )
 
@@ -703,6 +815,7 @@ def _truth_events(c: _Clean) -> pl.DataFrame:
             "channel": pl.Series(CHANNELS).gather(c.e_channel),
             "journey_id": _journey_ids(c).gather(c.e_journey),
             "position": c.e_position.astype(np.int32),
+            "price": pl.Series(c.e_price).fill_nan(None),
             "causal": c.e_causal,
         }
     )

@@ -21,6 +21,7 @@ from journeys import baselines
 from journeys.config import Model
 from journeys.data import ContinuousInputs, encode_journeys, numeric_scaling
 from journeys.data import model_config_from as sized
+from journeys.errors import InputError
 from journeys.ingest import ingest, run_ingest
 from journeys.model import JourneyTransformer
 from journeys.vocab import Vocabularies, Vocabulary
@@ -73,6 +74,15 @@ def test_numbers_are_read_missing_when_empty_and_quarantined_when_not_numbers(
     assert journeys["price"].to_list() == [[12.5, None, 3.0]]
     quarantined = pl.read_parquet(tmp_path / "quarantine" / "*.parquet")
     assert sorted(quarantined["price"].to_list()) == ["inf", "twelve"]  # original text kept
+
+
+def test_a_listed_number_the_log_lacks_names_the_setting_to_change(tmp_path: Path) -> None:
+    priced_log(5, seed=0).drop("price").write_csv(tmp_path / "log.csv")
+    config = config_for(
+        tmp_path / "log.csv", tmp_path, "data.features=[channel]", "data.numeric_features=[price]"
+    )
+    with pytest.raises(InputError, match=r"missing column\(s\) price .*data.numeric_features$"):
+        ingest(config)
 
 
 def test_scaling_comes_from_train_and_is_applied_unchanged() -> None:

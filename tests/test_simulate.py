@@ -12,14 +12,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from journeys.simulate import DIRTY_KINDS, RAW_COLUMNS, simulate
+from journeys.simulate import (
+    DIRTY_KINDS,
+    EVENT_TYPES,
+    RAW_COLUMNS,
+    Behaviour,
+    TrueModel,
+    simulate,
+)
 
 MAX_GAP = timedelta(days=7)
 TS_FORMAT = "%Y-%m-%dT%H:%M:%S%.3fZ"
 
 
 def read_log(paths: list[Path] | Path) -> pl.DataFrame:
-    """The raw log exactly as written: every column a string, empty fields null."""
+    """The raw log as written: every column a string but the price (JSON writes 17.0 as 17),
+    empty fields null."""
     paths = [paths] if isinstance(paths, Path) else paths
     frames = []
     for path in paths:
@@ -28,8 +36,8 @@ def read_log(paths: list[Path] | Path) -> pl.DataFrame:
         elif path.suffix == ".jsonl":
             frames.append(pl.read_ndjson(path, schema=dict.fromkeys(RAW_COLUMNS, pl.String)))
         else:
-            frames.append(pl.read_parquet(path))
-    return pl.concat(frames)
+            frames.append(pl.read_parquet(path).cast(pl.String))
+    return pl.concat(frames).with_columns(pl.col("price").cast(pl.Float64))
 
 
 def parsed(log: pl.DataFrame) -> pl.DataFrame:
@@ -193,6 +201,53 @@ def test_lengths_and_causal_events(clean_run: tuple[Path, pl.DataFrame]) -> None
     by_label = causal.group_by("converted").agg(pl.col("causal").mean())
     means = dict(zip(by_label["converted"], by_label["causal"], strict=True))
     assert means[True] > 1.5 * means[False]
+
+
+def test_timing_and_price_effects_are_what_the_log_shows(
+    clean_run: tuple[Path, pl.DataFrame],
+) -> None:
+    """The truth's timing and price effects, recomputed from the events a model sees."""
+    out, _ = clean_run
+    m, b = TrueModel(), Behaviour()
+    journeys = pl.read_parquet(out / "_truth" / "journeys.parquet")
+    events = pl.read_parquet(out / "_truth" / "events.parquet")
+    priced = pl.col("event_type").is_in([EVENT_TYPES[i] for i in b.priced_events])
+    assert events.select((pl.col("price").is_not_null() == priced).all()).item()
+    assert events["price"].min() > 0
+
+    gap_s = pl.col("timestamp").diff().over("journey_id").dt.total_seconds(fractional=True)
+    last_hour = pl.col("timestamp").last().dt.hour() + pl.col("timestamp").last().dt.minute() / 60
+    log_price = pl.col("price").log()
+    recomputed = (
+        events.sort("journey_id", "position")
+        .with_columns(visit=(gap_s.fill_null(0) >= b.event_gap_max_s).cum_sum().over("journey_id"))
+        .group_by("journey_id")
+        .agg(
+            hour=np.cos(
+                2
+                * np.pi
+                * (last_hour + pl.col("timestamp").last().dt.second() / 3600 - m.hour_peak)
+                / 24
+            ),
+            first_visit_min=(
+                pl.col("timestamp").filter(pl.col("visit") == 0).max() - pl.col("timestamp").first()
+            ).dt.total_seconds(fractional=True)
+            / 60,
+            premium=pl.when(pl.col("price").count() >= 2)
+            .then(log_price.drop_nulls().last() - log_price.mean())
+            .otherwise(0.0),
+        )
+        .join(journeys, on="journey_id")
+    )
+    assert np.allclose(recomputed["hour"], recomputed["effect_hour_of_day"], atol=1e-4)
+    assert np.allclose(recomputed["premium"], recomputed["effect_price_premium"], atol=1e-9)
+    first_visit = np.log1p(recomputed["first_visit_min"].to_numpy() / m.first_visit_scale_min)
+    # A visit gap clipped to exactly event_gap_max_s reads as one visit here: rare.
+    same = np.isclose(first_visit, recomputed["effect_long_first_visit"].to_numpy(), atol=1e-9)
+    assert same.mean() > 0.99
+    # Each effect varies: a model can learn it, and a model that ignores it loses it.
+    for name in ("hour_of_day", "long_first_visit", "price_premium"):
+        assert journeys[f"effect_{name}"].std() > 0.2
 
 
 @pytest.mark.parametrize("rate", [0.04, 0.15])
