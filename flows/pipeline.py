@@ -460,6 +460,8 @@ def score_task(config: Config, key: str, model_uri: str) -> dict[str, Any]:
         "model_version": result.model_version,
         "run_id": result.run_id,
         "seconds": result.seconds,
+        "as_of": result.as_of.isoformat() if result.as_of else None,
+        "open": result.open,
     }
 
 

@@ -105,9 +105,15 @@ def train_markdown(train: dict[str, Any]) -> str:
 
 
 def score_markdown(score: dict[str, Any]) -> str:
+    opened = (
+        f" As of {score['as_of']}, **{score['open']:,}** of them are open: their probability "
+        "is the chance they convert from here on."
+        if score.get("as_of")
+        else ""
+    )
     return (
         f"Scored **{score['rows']:,}** journeys with `{score['model_uri']}` "
-        f"(version {score.get('model_version')}) into `{score['out']}`."
+        f"(version {score.get('model_version')}) into `{score['out']}`.{opened}"
     )
 
 

@@ -23,7 +23,8 @@ Tables (Parquet and CSV), computed with Polars explode + group_by (no per-row Py
 
 - `attention_by_event_type`, `attention_by_channel` (when the scores have a `channel`
   list), `attention_by_position` (position from the end, 0 = the last event before the
-  outcome), per outcome (`converted`, `not_converted`, `unknown` = censored or unlabelled):
+  outcome), per outcome (`converted`, `not_converted`, `unknown` = censored, open or
+  unlabelled):
   events, attention mass, attention share, event share, lift = attention share / event
   share;
 - `credit`: one converting journey = one conversion to share out among touchpoints
@@ -81,10 +82,13 @@ EXAMPLE_EVENTS = 20  # last events shown per journey in the heatmap (what fits i
 
 
 def outcome_expr(schema: pl.Schema) -> pl.Expr:
-    """converted / not_converted from `label`; unknown when censored or unlabelled."""
+    """converted / not_converted from `label`; unknown when censored, open at the scores'
+    `as_of`, or unlabelled."""
     if "label" not in schema:
         return pl.lit(UNKNOWN).alias("outcome")
     censored = pl.col("censored").fill_null(False) if "censored" in schema else pl.lit(False)
+    if "open" in schema:
+        censored = censored | pl.col("open").fill_null(False)
     return (
         pl.when(censored | pl.col("label").is_null())
         .then(pl.lit(UNKNOWN))

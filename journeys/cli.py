@@ -115,7 +115,9 @@ def cmd_score(args: argparse.Namespace) -> None:
     # A breakdown that cannot be built fails before the scores are replaced, not after.
     report_dimensions(config.data.features, config.attribution.by)
     with _locked(config, "score"):
-        result = score_command(config, model_uri=args.model, input_path=args.input, out=args.out)
+        result = score_command(
+            config, model_uri=args.model, input_path=args.input, out=args.out, as_of=args.as_of
+        )
         report = args.report or (None if args.out else config.paths.reports)
         if report and result.rows:
             attribute_command(config, scores=result.out, out=report)
@@ -178,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--model", default=None, help="MLflow model URI (default: champion)")
     score.add_argument("--input", default=None, help="raw log or journeys folder")
     score.add_argument("--out", default=None, help="scores folder (default paths.scores)")
+    score.add_argument(
+        "--as-of",
+        default=None,
+        help="score the journeys as they stood then: ISO 8601 (no zone: data.timezone) or "
+        "now (default: the end of the data)",
+    )
     score.add_argument(
         "--report",
         default=None,

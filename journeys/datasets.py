@@ -207,6 +207,7 @@ def scores_schema(
     columns |= {name: pl.List(pl.String()) for name in features}
     columns |= {name: pl.List(pl.Float64()) for name in numeric}
     columns |= {name: dtype for name, dtype in OPTIONAL_COLUMNS.items() if name in optional}
+    columns |= {"open": pl.Boolean(), "quiet_seconds": pl.Float64(), "as_of": UTC_US}
     columns |= {"model_uri": pl.String(), "model_version": pl.String(), "scored_at": UTC_US}
     return pl.Schema(columns)
 

@@ -356,7 +356,7 @@ def finish(
         )
         .collect()
     )
-    report = make_report(staged, parts, summary, data_end)
+    report = make_report(staged, parts, summary, data_end, observed_until)
 
     columns = [*parts_columns(config)]
     write_quarantine(config, staged, quarantine_folder)
@@ -481,7 +481,11 @@ def parts_columns(config: Config) -> list[str]:
 
 
 def make_report(
-    staged: Staged, parts: list[PartitionResult], summary: pl.DataFrame, data_end: datetime | None
+    staged: Staged,
+    parts: list[PartitionResult],
+    summary: pl.DataFrame,
+    data_end: datetime | None,
+    observed_until: datetime | None,
 ) -> dict[str, Any]:
     """The ingest report; checks the row-accounting invariant before anything is written."""
     quarantined = staged.quarantined
@@ -513,6 +517,7 @@ def make_report(
         "users": totals["users"],
         "data_start": min((p.data_start for p in parts if p.data_start), default=None),
         "data_end": data_end,
+        "observed_until": observed_until,  # conversions seen until: where censoring counts from
         "partitions": len(parts),
         "sources": staged.sources,
     }

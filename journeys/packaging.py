@@ -25,6 +25,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 
     from journeys.config import Config
     from journeys.data import ContinuousInputs, EncodedJourneys, NumericScaling
+    from journeys.in_flight import QuietSurvival
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
@@ -54,9 +56,14 @@ PREDICT_BATCH_SIZE = 1024
 _MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/]+))/?")
 
 
-def preprocessing_settings(config: Config, numeric_scaling: NumericScaling = ()) -> dict[str, Any]:
+def preprocessing_settings(
+    config: Config,
+    numeric_scaling: NumericScaling = (),
+    quiet_survival: QuietSurvival | None = None,
+) -> dict[str, Any]:
     """Everything scoring needs to rebuild journeys exactly as training saw them, the
-    numeric features' train scaling (`journeys.data.numeric_scaling`) included."""
+    numeric features' train scaling (`journeys.data.numeric_scaling`) included, and how
+    long journeys stay quiet (`journeys.in_flight`) to score the open ones."""
     data, journey = config.data, config.journey
     return {
         "format_version": FORMAT_VERSION,
@@ -76,6 +83,7 @@ def preprocessing_settings(config: Config, numeric_scaling: NumericScaling = ())
         "timezone": data.timezone,
         "timestamp_unit": data.timestamp_unit,
         "time_encodings": config.model.time_encodings,
+        "quiet_survival": quiet_survival.to_dict() if quiet_survival else None,
     }
 
 
@@ -113,6 +121,21 @@ class LoadedModel:
         )
         zone = self.preprocessing.get("timezone", "UTC") if time else None
         return ContinuousInputs(zone, scaling)
+
+    @property
+    def max_gap(self) -> timedelta:
+        """The quiet time after which the model's journeys end (`journey.max_gap`)."""
+        from journeys.config import Journey, parse_duration
+
+        return parse_duration(self.preprocessing.get("max_gap", Journey().max_gap))
+
+    @property
+    def quiet_survival(self) -> QuietSurvival | None:
+        """How long journeys stay quiet, by outcome; None for a model trained before it
+        was stored (its open journeys keep the model's score)."""
+        from journeys.in_flight import QuietSurvival
+
+        return QuietSurvival.from_dict(self.preprocessing.get("quiet_survival"))
 
     @property
     def max_len(self) -> int:

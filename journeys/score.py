@@ -6,9 +6,16 @@ included, with the columns of the scores contract (`journeys.datasets.scores_sch
 
     journey_id, user_id, n_events, conversion_probability (float64, temperature-calibrated),
     event_type, event_time, attention (list[float32], one per event, >= 0, sums to 1),
-    <one list column per model feature>, model_uri, model_version, scored_at
+    <one list column per model feature>, open, quiet_seconds, as_of, model_uri,
+    model_version, scored_at
     (+ label, censored, split, n_events_total when the input has them;
      + prefix_probability, the probability after each event, when the model is causal)
+
+Journeys are scored as they stood at a moment, `as_of` (`journeys score --as-of`; default
+the end of the data): later events are ignored, journeys that had not started are not
+scored, and a journey not converted by then whose last event is within `journey.max_gap`
+is `open`. An open journey's probability is that it converts from here on, given how
+long it has been quiet (`journeys.in_flight`); a finished one's is the model's score.
 
 Input is either a journeys dataset (a folder with `part-*.parquet` and `vocab.json`, as
 `journeys ingest` writes it) or a raw event log (file, folder or glob). A raw log is
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import sys
 import time
@@ -61,6 +69,7 @@ from journeys.datasets import (
     scoring_columns,
 )
 from journeys.errors import ConfigError, InputError, first_line
+from journeys.in_flight import cut_at, in_flight_probability, mark_open
 from journeys.storage import atomic_dir, scratch_dir
 from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, tracking_ready
 
@@ -208,6 +217,9 @@ class ScoreResult:
     ingest_report: dict[str, Any] | None = None
     run_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    as_of: datetime | None = None  # the moment the journeys were scored as of
+    open: int = 0  # journeys still open then
+    not_started: int = 0  # input journeys that had no event by `as_of`: not scored
 
     @property
     def journeys_per_second(self) -> float:
@@ -224,12 +236,15 @@ def score_dataset(
     attention: AttentionMode | None = "pooled",
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
+    as_of: datetime | None = None,
 ) -> int:
-    """Score every journey of a journeys folder into Parquet parts under `out` (atomic).
+    """Score every journey of a journeys folder, as it stood at `as_of` (default: the end
+    of the data), into Parquet parts under `out` (atomic).
 
-    Returns the number of rows written. `attention=None` skips the attention export (for
-    benchmarks; the product always exports it). An empty input gives one empty part file
-    with the full schema.
+    Returns the number of rows written: the input's journeys less those that had not
+    started by `as_of`. `attention=None` skips the attention export (for benchmarks; the
+    product always exports it). An empty input gives one empty part file with the full
+    schema.
     """
     from journeys.inference import pick_device
 
@@ -238,8 +253,12 @@ def score_dataset(
     if not parts:
         raise InputError(f"no journeys (part-*.parquet) in {folder.absolute()}")
     features = loaded.vocabs.features
-    columns = scoring_columns(input_schema(parts), loaded.event_columns, folder)
+    schema_in = input_schema(parts)
+    columns = scoring_columns(schema_in, loaded.event_columns, folder)
     optional = [name for name in OPTIONAL_COLUMNS if name in columns]
+    if "end_time" in schema_in:  # when a conversion happened: was it by `as_of`?
+        columns.append("end_time")
+    as_of = as_of or data_end(folder, parts)
     schema = scores_schema(
         features, optional, bool(loaded.model.config.causal), loaded.numeric_features
     )
@@ -248,6 +267,7 @@ def score_dataset(
     metadata = dict(metadata or {})
     scored_at = datetime.fromisoformat(metadata.get("scored_at") or _now()).astimezone(UTC)
     constants = [
+        pl.lit(as_of, UTC_US).alias("as_of"),
         pl.lit(loaded.model_uri, pl.String).alias("model_uri"),
         pl.lit(loaded.model_version, pl.String).alias("model_version"),
         pl.lit(scored_at, UTC_US).alias("scored_at"),
@@ -256,18 +276,23 @@ def score_dataset(
 
     device = pick_device()
     loaded.model.to(device)
+    survival = loaded.quiet_survival
     total = count_rows(parts)
     written = 0
     with atomic_dir(out) as staging, _progress(total, progress) as advance:
         index = -1
         for index, chunk in enumerate(iter_chunks(parts, columns, chunk_journeys)):
+            chunk = mark_open(cut_at(chunk, as_of, loaded.event_columns), as_of, loaded.max_gap)
             scored = score_frame(
                 loaded, chunk, attention=attention, batch_size=batch_size, device=device
-            ).with_columns(constants)
+            ).with_columns(chunk.select("open", "quiet_seconds"))
+            if survival is not None:
+                scored = in_flight_probability(scored, survival)
+            scored = scored.with_columns(constants)
             scored = scored.select(pl.col(name).cast(dtype) for name, dtype in schema.items())
             scored.write_parquet(staging / PART_FILE.format(index), metadata=parquet_metadata)
             written += scored.height
-            advance(scored.height)
+            advance(chunk.height)
             del scored, chunk
             release_freed_memory()
         if index < 0:  # no rows at all: still a readable file with every column
@@ -275,6 +300,25 @@ def score_dataset(
                 staging / PART_FILE.format(0), metadata=parquet_metadata
             )
     return written
+
+
+def data_end(folder: Path, parts: list[Path]) -> datetime:
+    """The end of a journeys dataset's data: until when its ingest saw conversions
+    (`data.observed_until`, else the last event), else its last journey's end."""
+    report = folder / REPORT_FILE
+    if report.exists():
+        stored = json.loads(report.read_text())
+        moment = stored.get("observed_until") or stored.get("data_end")
+        if moment:
+            return datetime.fromisoformat(str(moment)).astimezone(UTC)
+    frame = pl.scan_parquet(parts)
+    end = (
+        pl.col("end_time")
+        if "end_time" in frame.collect_schema()
+        else pl.col("event_time").list.last()
+    )
+    last = frame.select(end.max()).collect().item()
+    return last if last is not None else datetime.now(UTC)
 
 
 @contextlib.contextmanager
@@ -312,8 +356,10 @@ def score_input(
     attention: AttentionMode | None = None,
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
+    as_of: datetime | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
-    """Score a journeys folder, or ingest a raw log with the model's settings and score it.
+    """Score a journeys folder, or ingest a raw log with the model's settings and score it,
+    as the journeys stood at `as_of` (default: the end of the data).
 
     `attention` None means `score.attention` from the configuration. Returns (rows
     written, the ingest report when the input was a raw log). A raw log's quarantined rows
@@ -328,6 +374,7 @@ def score_input(
         attention=attention or config.score.attention,
         metadata=metadata,
         progress=progress,
+        as_of=as_of,
     )
     if is_journeys_dataset(source):
         return score_dataset(loaded, source, out, **settings), None
@@ -351,17 +398,37 @@ def quarantine_beside(out: Path) -> Path:
     return out.with_name(f"{out.name}-quarantine")
 
 
+def parse_as_of(text: str | datetime | None, timezone: str) -> datetime | None:
+    """`--as-of`: ISO 8601 (read in `timezone` without an offset), `now`, or None (the end
+    of the data); anything else is an InputError naming the forms."""
+    from journeys.events import as_utc
+
+    if text is None or isinstance(text, datetime):
+        return as_utc(text, timezone)
+    if text.strip().lower() == "now":
+        return datetime.now(UTC)
+    try:
+        return as_utc(datetime.fromisoformat(text.strip()), timezone)
+    except ValueError:
+        raise InputError(
+            f"--as-of {text!r} is not a time: use ISO 8601 (2026-03-01T00:00:00Z, an offset, "
+            f"or none for data.timezone) or now"
+        ) from None
+
+
 def score_command(
     config: Config,
     model_uri: str | None = None,
     input_path: str | Path | None = None,
     out: str | Path | None = None,
+    as_of: str | datetime | None = None,
 ) -> ScoreResult:
     """`journeys score`: load the model, score, log the scoring run to MLflow.
 
     Defaults: model `models:/<mlflow.registered_model>@champion`, input `paths.journeys`,
-    output `paths.scores`. A missing model or alias, an unreadable input or columns that
-    do not match the configuration raise `InputError` (the CLI prints one line, exit 2).
+    output `paths.scores`, `as_of` the end of the data. A missing model or alias, an
+    unreadable input, a bad `as_of` or columns that do not match the configuration raise
+    `InputError` (the CLI prints one line, exit 2).
     """
     from journeys.packaging import load_model
     from journeys.tracking import tracking_uri
@@ -374,6 +441,7 @@ def score_command(
         raise InputError(
             f"model {uri} not found: no MLflow store at {redact_uri(store)} (train first)"
         )
+    moment = parse_as_of(as_of, config.data.timezone)
     loaded = load_model(uri, tracking_uri=store)
     source = str(input_path or config.paths.journeys)
     out = Path(out or config.paths.scores)
@@ -395,12 +463,14 @@ def score_command(
     started = time.perf_counter()
     try:
         rows, report = score_input(
-            loaded, config, source, out, attention=attention, metadata=metadata
+            loaded, config, source, out, attention=attention, metadata=metadata, as_of=moment
         )
     except BaseException:
         if run:
             run.finish("FAILED")
         raise
+    scored_as_of, n_open = open_journeys(out)
+    input_journeys = report["journeys"] if report else count_rows(parquet_parts(Path(source)))
     result = ScoreResult(
         out=out,
         rows=rows,
@@ -413,12 +483,30 @@ def score_command(
         ingest_report=report,
         run_id=run.run_id if run else None,
         metadata=metadata,
+        as_of=scored_as_of,
+        open=n_open,
+        not_started=input_journeys - rows,
     )
     _print_summary(result)
+    if result.open and loaded.quiet_survival is None:
+        _warn(
+            f"{uri} was trained before open journeys could be scored: they are marked open "
+            "but keep the model's score, not the chance that they convert from here on; "
+            "retrain to score them"
+        )
     if run:
         run.log(result)
         run.finish("FINISHED")
     return result
+
+
+def open_journeys(scores: Path) -> tuple[datetime | None, int]:
+    """The moment written scores stand at, and how many of their journeys are open."""
+    frame = pl.scan_parquet(parquet_parts(scores)).select(
+        pl.col("as_of").first(), pl.col("open").sum()
+    )
+    as_of, n_open = frame.collect().row(0)
+    return as_of, int(n_open or 0)
 
 
 def _print_summary(result: ScoreResult) -> None:
@@ -434,6 +522,16 @@ def _print_summary(result: ScoreResult) -> None:
         f"{result.seconds:.1f} s ({result.journeys_per_second:,.0f}/s, attention "
         f"{result.attention}) -> {result.out}"
     )
+    if result.as_of is not None:
+        print(
+            f"  as of {result.as_of:%Y-%m-%d %H:%M} UTC: {result.open:,} journeys open (scored "
+            f"as the chance they convert from here on), {result.rows - result.open:,} finished"
+            + (
+                f"; {result.not_started:,} had not started and are not scored"
+                if result.not_started
+                else ""
+            )
+        )
     if result.ingest_report:
         report = result.ingest_report
         print(
@@ -484,11 +582,14 @@ class ScoringRun:
                 "rows": result.rows,
                 "attention": result.attention,
                 "out": str(result.out),
+                "as_of": result.as_of.isoformat() if result.as_of else "",
             }
             metrics = {
                 "rows": result.rows,
                 "seconds": result.seconds,
                 "journeys_per_second": result.journeys_per_second,
+                "open_journeys": result.open,
+                "journeys_not_started": result.not_started,
             }
             self.client.log_batch(
                 self.run_id,

@@ -55,6 +55,7 @@ from journeys.datasets import (
     small_evaluation_warning,
 )
 from journeys.errors import JourneysError, first_line, run_status
+from journeys.in_flight import QuietSurvival
 from journeys.inference import attention_by_token, run_model
 from journeys.training import (
     LAST_CHECKPOINT,
@@ -417,6 +418,17 @@ def _finish(run: FittedRun) -> TrainResult:
     )
 
 
+def quiet_survival(config: Config) -> QuietSurvival | None:
+    """How long the train split's journeys stay quiet, by outcome: stored with the model
+    to score open journeys (`journeys.in_flight`)."""
+    train = (
+        labelled(scan_journeys(config.paths.journeys), ("train",))
+        .select("label", "end_time", "event_time")
+        .collect()
+    )
+    return QuietSurvival.fit(train, config.journey.max_gap_delta)
+
+
 def _log_and_register(
     run: FittedRun, best: str
 ) -> tuple[Evaluation, dict[str, float], tracking.Registration, str]:
@@ -444,7 +456,7 @@ def _log_and_register(
                 client.log_artifact(run.run_id, str(path), "plots")
             client.set_tag(run.run_id, tracking.BEST_CHECKPOINT_TAG, best)
             preprocessing = packaging.preprocessing_settings(
-                run.config, run.datamodule.continuous.numeric
+                run.config, run.datamodule.continuous.numeric, quiet_survival(run.config)
             )
             module.model.cpu()  # weights are saved from CPU tensors
             info = packaging.log_model(
