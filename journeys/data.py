@@ -83,15 +83,24 @@ LOG_SECONDS_SCALE = math.log1p(30 * 86400)
 NumericScaling = tuple[tuple[str, float, float], ...]
 
 
+# Continuous inputs per numeric feature, in this order: its value (asinh, scaled with train's
+# statistics; 0 where missing), a flag where it is missing, and its value against the
+# journey's earlier values (asinh(value) minus their mean, same scale; 0 where missing or
+# first): whether a price is above the user's usual is one input, not a sum the network
+# must learn to take over the journey.
+NUMERIC_INPUTS = ("value", "missing", "relative")
+
+
 @dataclass(frozen=True)
 class ContinuousInputs:
     """The continuous inputs `encode_journeys` adds per event, in this order: the time
-    encodings (when `timezone` is set: hours are read there), then for each numeric
-    feature its value scaled with train's statistics (0 where missing) and a flag where it
-    is missing (`continuous_count` of them)."""
+    encodings (when `timezone` is set: hours are read there), then `NUMERIC_INPUTS` for
+    each numeric feature (`continuous_count` of them). `relative: False` leaves the third
+    out (models trained before it existed)."""
 
     timezone: str | None = None
     numeric: NumericScaling = ()
+    relative: bool = True
 
     @property
     def numeric_names(self) -> list[str]:
@@ -110,9 +119,21 @@ def numeric_scaling(frame: pl.DataFrame, names: list[str]) -> NumericScaling:
     return tuple(out)
 
 
-def continuous_count(time_encodings: bool, n_numeric: int) -> int:
+def continuous_count(time_encodings: bool, n_numeric: int, relative: bool = True) -> int:
     """How many continuous inputs a model reads per event (`ContinuousInputs`)."""
-    return (len(TIME_ENCODINGS) if time_encodings else 0) + 2 * n_numeric
+    per_number = len(NUMERIC_INPUTS) - (0 if relative else 1)
+    return (len(TIME_ENCODINGS) if time_encodings else 0) + per_number * n_numeric
+
+
+def relative_to_earlier(value: pl.Expr) -> pl.Expr:
+    """Per event of a list: the value minus the mean of the earlier non-missing values of
+    the list (null where missing or where none came before). Uses the past only, so a
+    causal model's prefixes see what they would see alone."""
+    seen = value.is_not_null().cast(pl.Float64)
+    filled = value.fill_null(0.0)
+    earlier = seen.cum_sum() - seen
+    mean_before = (filled.cum_sum() - filled) / earlier
+    return pl.when(value.is_not_null() & (earlier > 0)).then(value - mean_before)
 
 
 def gap_seconds_expr(event_time: pl.Expr) -> pl.Expr:
@@ -270,6 +291,14 @@ def encode_journeys(
             else []
         ),
         *(kept(name).cast(pl.List(pl.Float64)).alias(f"n{i}") for i, name in enumerate(numeric)),
+        *(
+            kept(name)
+            .cast(pl.List(pl.Float64))
+            .list.eval(relative_to_earlier(pl.element().arcsinh()))
+            .alias(f"r{i}")
+            for i, name in enumerate(numeric)
+            if continuous.relative
+        ),
     )
     list_columns = lists.columns
     lengths = lists.select(pl.col(c).list.len().fill_null(0).cast(pl.Int64) for c in list_columns)
@@ -294,6 +323,7 @@ def encode_journeys(
             for expr in (
                 ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0),
                 pl.col(f"n{i}").is_null(),  # the missing flag
+                *([(pl.col(f"r{i}") / scale).fill_null(0.0)] if continuous.relative else []),
             )
         ),
     ]

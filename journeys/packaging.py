@@ -83,6 +83,7 @@ def preprocessing_settings(
         "timezone": data.timezone,
         "timestamp_unit": data.timestamp_unit,
         "time_encodings": config.model.time_encodings,
+        "numeric_relative": True,  # NUMERIC_INPUTS in full (older models: value and flag)
         "quiet_survival": quiet_survival.to_dict() if quiet_survival else None,
     }
 
@@ -120,7 +121,7 @@ class LoadedModel:
             (n, float(c), float(s)) for n, c, s in self.preprocessing.get("numeric_scaling", [])
         )
         zone = self.preprocessing.get("timezone", "UTC") if time else None
-        return ContinuousInputs(zone, scaling)
+        return ContinuousInputs(zone, scaling, bool(self.preprocessing.get("numeric_relative")))
 
     @property
     def max_gap(self) -> timedelta:

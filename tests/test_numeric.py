@@ -5,6 +5,7 @@ strong baseline."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 from datetime import UTC, datetime, timedelta
@@ -19,7 +20,7 @@ from test_model import fit_and_test_auc
 
 from journeys import baselines
 from journeys.config import Model
-from journeys.data import ContinuousInputs, encode_journeys, numeric_scaling
+from journeys.data import ContinuousInputs, continuous_count, encode_journeys, numeric_scaling
 from journeys.data import model_config_from as sized
 from journeys.errors import InputError
 from journeys.ingest import ingest, run_ingest
@@ -99,16 +100,34 @@ def test_scaling_comes_from_train_and_is_applied_unchanged() -> None:
         {
             "event_type": [["view", "view"]],
             "event_time": [[START, START + timedelta(seconds=5)]],
-            "price": [[1000.0, None]],
+            "price": [[1000.0, None, 10.0]],
         },
         schema_overrides={"event_time": pl.List(pl.Datetime("us", "UTC"))},
     )
+    later = later.with_columns(
+        event_type=pl.lit(["view"] * 3),
+        event_time=pl.lit([START + timedelta(seconds=s) for s in (0, 5, 9)]),
+    )
     encoded = encode_journeys(later, vocabs, 32, continuous=ContinuousInputs(None, scaling))
     _, centre, scale = scaling[0]
-    # [value, flag] x [the 1000 event, the missing one]
+    # [value, flag, against the earlier values] x [1000, missing, 10]
     assert encoded.continuous.flatten().tolist() == pytest.approx(
-        [(math.asinh(1000.0) - centre) / scale, 0.0, 0.0, 1.0], abs=1e-5
+        [
+            (math.asinh(1000.0) - centre) / scale,
+            0.0,
+            (math.asinh(10.0) - centre) / scale,
+            0.0,
+            1.0,
+            0.0,
+            0.0,
+            0.0,
+            (math.asinh(10.0) - math.asinh(1000.0)) / scale,
+        ],
+        abs=1e-5,
     )
+    # A model from before the third input reads the first two only.
+    older = encode_journeys(later, vocabs, 32, continuous=ContinuousInputs(None, scaling, False))
+    assert older.continuous.tolist() == encoded.continuous[:2].tolist()
 
 
 def test_a_number_may_be_called_like_an_internal_column() -> None:
@@ -126,10 +145,10 @@ def test_a_number_may_be_called_like_an_internal_column() -> None:
     inputs = ContinuousInputs("UTC", (("token", 0.0, 1.0), ("log_gap", 0.0, 1.0)))
     encoded = encode_journeys(frame, vocabs, 32, continuous=inputs)
     assert encoded.tokens.tolist() == [2, 2]
-    assert encoded.continuous.shape == (6 + 4, 2)
-    # token's value and flag, then log_gap's, each over the two events
+    assert encoded.continuous.shape == (6 + 6, 2)
+    # token's value, flag and relative value, then log_gap's, each over the two events
     assert encoded.continuous[6:].flatten().tolist() == pytest.approx(
-        [math.asinh(2.0), 0.0, 0.0, 1.0, 0.0, math.asinh(7.0), 1.0, 0.0]
+        [math.asinh(2.0), 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, math.asinh(7.0), 1.0, 0.0, 0.0, 0.0]
     )
 
 
@@ -161,6 +180,43 @@ def test_a_price_that_drives_conversion_raises_the_models_auc() -> None:
         auc[with_price] = fit_and_test_auc(model, train, test, epochs=4)
     assert auc[True] > auc[False] + 0.15
     assert auc[True] > 0.8
+
+
+def test_a_price_above_the_journeys_usual_is_learned_from_the_relative_input() -> None:
+    """Users' price levels differ a hundredfold; whether they convert depends on the last
+    price against their own earlier ones. The value against the journey's earlier values
+    makes that one input; without it the same model learns far less of it."""
+    rng = np.random.default_rng(0)
+    frames = {}
+    for split, n in (("train", 3000), ("test", 1500)):
+        level = np.exp(rng.normal(3.5, 1.2, n))
+        lengths = rng.integers(3, 7, n)
+        prices = [
+            list(level[i] * np.exp(0.3 * rng.standard_normal(k))) for i, k in enumerate(lengths)
+        ]
+        premium = np.array([np.log(p[-1]) - np.log(p[:-1]).mean() for p in prices])
+        label = rng.random(n) < 1 / (1 + np.exp(-(-1.0 - 5.0 * premium)))
+        frames[split] = pl.DataFrame(
+            {
+                "event_type": [["view"] * k for k in lengths],
+                "event_time": [[START + timedelta(minutes=m) for m in range(k)] for k in lengths],
+                "price": prices,
+                "label": label.astype(np.int8),
+            }
+        )
+    vocabs = Vocabularies(by_column={"event_type": Vocabulary(("<pad>", "<unk>", "view"))})
+    scaling = numeric_scaling(frames["train"], ["price"])
+    auc = {}
+    for relative in (False, True):
+        inputs = ContinuousInputs(None, scaling, relative)
+        torch.manual_seed(0)
+        config = sized(Model(d_model=16, n_heads=2, n_layers=1), vocabs, max_len=8, n_numeric=1)
+        config = dataclasses.replace(config, n_continuous=continuous_count(False, 1, relative))
+        train = encode_journeys(frames["train"], vocabs, 32, 8, inputs)
+        test = encode_journeys(frames["test"], vocabs, 32, 8, inputs)
+        auc[relative] = fit_and_test_auc(JourneyTransformer(config), train, test, epochs=4)
+    assert auc[True] > auc[False] + 0.05
+    assert auc[True] > 0.75
 
 
 def test_numeric_aggregates_for_the_strong_baseline() -> None:
