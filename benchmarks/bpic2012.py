@@ -83,6 +83,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from journeys import metrics as M  # noqa: E402  (after the checkout is importable)
+
 if TYPE_CHECKING:
     from journeys.config import Config
     from journeys.data import EncodedJourneys, NumericScaling
@@ -454,34 +456,25 @@ def generate_prefixes(
 def auc_by_prefix_length(
     prefix_len: np.ndarray, labels: np.ndarray, scores: np.ndarray
 ) -> pl.DataFrame:
-    """`prefix_len`, `n` (test prefixes of that length) and `auc` (null with one class only)."""
-    from sklearn.metrics import roc_auc_score
-
-    frame = pl.DataFrame(
-        {"prefix_len": np.asarray(prefix_len), "label": labels, "score": scores}
-    ).sort("prefix_len", maintain_order=True)
-    rows = []
-    for (length,), group in frame.group_by("prefix_len", maintain_order=True):
-        y = group.get_column("label").to_numpy()
-        auc = None
-        if 0 < y.sum() < len(y):
-            auc = float(roc_auc_score(y, group.get_column("score").to_numpy()))
-        rows.append({"prefix_len": int(length), "n": len(y), "auc": auc})
-    return pl.DataFrame(rows, schema={"prefix_len": pl.Int64, "n": pl.Int64, "auc": pl.Float64})
+    """`prefix_len`, `n` (test prefixes of that length) and `auc` (null with one class
+    only): `journeys.metrics.auc_by_prefix_length` as a table."""
+    lengths, counts, aucs = M.auc_by_prefix_length(prefix_len, labels, scores)
+    return pl.DataFrame(
+        {"prefix_len": lengths, "n": counts, "auc": aucs},
+        schema={"prefix_len": pl.Int64, "n": pl.Int64, "auc": pl.Float64},
+    ).with_columns(pl.col("auc").fill_nan(None))
 
 
 def weighted_auc(table: pl.DataFrame) -> float:
     """Sum over lengths of n_k * AUC_k / sum of n_k, over lengths that have an AUC."""
-    scored = table.filter(pl.col("auc").is_not_null())
-    if scored.height == 0:
-        return float("nan")
-    weights = scored.get_column("n").to_numpy().astype(np.float64)
-    return float(np.average(scored.get_column("auc").to_numpy(), weights=weights))
+    return M.weighted_prefix_auc(
+        table.get_column("n").to_numpy(), table.get_column("auc").fill_null(np.nan).to_numpy()
+    )
 
 
 def prefix_auc(prefix_len: np.ndarray, labels: np.ndarray, scores: np.ndarray) -> float:
     """The reference's headline number: AUC per prefix length, weighted by its count."""
-    return weighted_auc(auc_by_prefix_length(prefix_len, labels, scores))
+    return M.weighted_prefix_auc(*M.auc_by_prefix_length(prefix_len, labels, scores)[1:])
 
 
 # ----------------------------------------------------------------------------- transformer

@@ -150,3 +150,31 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray, max_iter: int = 100)
     if not math.isfinite(temperature):
         return 1.0
     return float(np.clip(temperature, *TEMPERATURE_RANGE))
+
+
+def auc_by_prefix_length(
+    prefix_len: np.ndarray, labels: np.ndarray, scores: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per prefix length k (the events seen): k, how many prefixes have it, and their ROC
+    AUC (NaN where they hold one class only). A journey of n events gives prefixes 1..n,
+    each scored after its k-th event and labelled with the journey's outcome."""
+    from sklearn.metrics import roc_auc_score
+
+    prefix_len, labels, scores = (np.asarray(a) for a in (prefix_len, labels, scores))
+    lengths, counts = np.unique(prefix_len, return_counts=True)
+    aucs = np.full(len(lengths), np.nan)
+    for i, length in enumerate(lengths):
+        at = prefix_len == length
+        y = labels[at]
+        if 0 < y.sum() < len(y):
+            aucs[i] = roc_auc_score(y, scores[at])
+    return lengths, counts, aucs
+
+
+def weighted_prefix_auc(counts: np.ndarray, aucs: np.ndarray) -> float:
+    """The AUCs by prefix length averaged with their prefix counts as weights, over the
+    lengths that have one (Teinemaa et al. 2019's headline number); NaN if none has."""
+    scored = ~np.isnan(aucs)
+    if not scored.any():
+        return float("nan")
+    return float(np.average(aucs[scored], weights=np.asarray(counts, dtype=np.float64)[scored]))

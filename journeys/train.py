@@ -73,6 +73,9 @@ if TYPE_CHECKING:
 MODEL_FAMILY = "transformer"
 STATE_FILE = "latest.json"  # in paths.checkpoints: which run/checkpoints --resume continues
 COMPARED_METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
+# A causal model logs its AUC after each of the first this many events (BPIC's 1..20 and
+# more: most journeys are shorter); the weighted average covers every length.
+PREFIX_LENGTHS_LOGGED = 30
 
 
 # ----------------------------------------------------------------------------- resume state
@@ -150,6 +153,25 @@ class Evaluation:
     test_logits: np.ndarray
 
 
+def prefix_metrics(
+    split: str, labels: np.ndarray, offsets: np.ndarray, prefix_logits: np.ndarray
+) -> dict[str, float]:
+    """A causal model's ROC AUC after every event, each prefix labelled with its journey's
+    outcome: by prefix length (`<split>prefix_roc_auc_len<k>`, lengths up to
+    `PREFIX_LENGTHS_LOGGED`) and their average weighted by how many prefixes have each
+    length (`<split>prefix_roc_auc_weighted`, as the BPIC 2012 protocol reports it)."""
+    lengths = np.diff(offsets)
+    prefix_len = np.arange(len(prefix_logits)) - np.repeat(offsets[:-1], lengths) + 1
+    by_length, counts, aucs = M.auc_by_prefix_length(
+        prefix_len, np.repeat(labels, lengths), prefix_logits
+    )
+    out = {f"{split}prefix_roc_auc_weighted": M.weighted_prefix_auc(counts, aucs)}
+    for length, auc in zip(by_length, aucs, strict=True):
+        if length <= PREFIX_LENGTHS_LOGGED and not np.isnan(auc):
+            out[f"{split}prefix_roc_auc_len{length}"] = float(auc)
+    return out
+
+
 def evaluate(
     module: JourneyModule, datamodule: JourneyDataModule, vocabs: Vocabularies, workdir: Path
 ) -> Evaluation:
@@ -157,7 +179,8 @@ def evaluate(
     model = module.model
     batch_size = datamodule.eval_batch_size
     val, test = datamodule.splits["val"], datamodule.splits["test"]
-    val_logits = run_model(model, val, batch_size).logits
+    val_outputs = run_model(model, val, batch_size)
+    val_logits = val_outputs.logits
     # One pass over test gives the logits and the pooled attention by event type.
     test_outputs = run_model(model, test, batch_size, attention="pooled")
     test_logits = test_outputs.logits
@@ -173,6 +196,11 @@ def evaluate(
     calibrated_metrics = M.binary_metrics(test_labels, calibrated, intervals=False)
     scores |= {f"{k}_calibrated": v for k, v in calibrated_metrics.items()}
     scores["temperature"] = temperature
+    if test_outputs.prefix_logits is not None:  # causal: a probability after every event
+        scores |= prefix_metrics("val_", val_labels, val_outputs.offsets, val_outputs.prefix_logits)
+        scores |= prefix_metrics(
+            "test_", test_labels, test_outputs.offsets, test_outputs.prefix_logits
+        )
 
     (workdir / "attention_by_event_type.json").write_text(json.dumps(attention, indent=2))
     curves = {MODEL_FAMILY: probs}

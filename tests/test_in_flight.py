@@ -190,3 +190,36 @@ def test_replay_on_a_small_simulation_runs_end_to_end(
     assert 0 <= run.data.metrics["every_prefix.in-flight.ece"] <= 1
     assert run.data.metrics["journey.in-flight.open_journeys"] > 0
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["reliability.png"]
+
+
+def test_every_prefix_training_logs_prefix_aucs_and_stores_the_quiet_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import make_journeys_dataset
+    from mlflow import MlflowClient
+    from test_train import tiny_config
+
+    from journeys.train import train_command
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    make_journeys_dataset(tmp_path / "journeys", n=400, seed=0)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = tiny_config(
+        tmp_path,
+        uri,
+        "model.causal=true",
+        "train.objective=every_prefix",
+        "train.max_epochs=2",
+        "train.baselines=[prior]",
+    )
+    result = train_command(config)
+    metrics = MlflowClient(uri).get_run(result.run_id).data.metrics
+    for split in ("val", "test"):
+        assert 0 <= metrics[f"{split}_prefix_roc_auc_weighted"] <= 1
+        assert 0 <= metrics[f"{split}_prefix_roc_auc_len1"] <= 1
+    # The quiet times the logged model carries are those of the train split.
+    train = pl.read_parquet(tmp_path / "journeys" / "*.parquet").filter(
+        (pl.col("split") == "train") & ~pl.col("censored")
+    )
+    loaded = load_model(result.model_uri, tracking_uri=uri)
+    assert loaded.quiet_survival == QuietSurvival.fit(train, MAX_GAP)

@@ -174,3 +174,20 @@ def test_a_short_fit_trains_every_prefix_and_the_last_prefix_is_the_journey(
     np.testing.assert_allclose(
         M.sigmoid(at_last_event), M.sigmoid(outputs.logits), rtol=0, atol=1e-6
     )
+
+
+def test_prefix_metrics_by_length_and_weighted_as_the_bpic_protocol() -> None:
+    from journeys.train import prefix_metrics
+
+    # Three journeys: 2 events (converted), 3 events (not), 2 events (not).
+    offsets = np.array([0, 2, 5, 7])
+    labels = np.array([1.0, 0.0, 0.0])
+    logits = np.array([0.9, 0.1, 0.5, 0.8, -1.0, 0.2, 0.3])
+    got = prefix_metrics("test_", labels, offsets, logits)
+    # After event 1: 0.9 vs 0.5, 0.2 -> AUC 1. After event 2: 0.1 vs 0.8, 0.3 -> AUC 0.
+    # After event 3 only the second journey is left: one class, no AUC.
+    assert got == {
+        "test_prefix_roc_auc_weighted": pytest.approx((3 * 1.0 + 3 * 0.0) / 6),
+        "test_prefix_roc_auc_len1": 1.0,
+        "test_prefix_roc_auc_len2": 0.0,
+    }
