@@ -287,7 +287,7 @@ class Model(Section):
     # the previous event and since the journey's first, and the local hour of day and
     # weekday as points on a circle (`data.timezone`). Durations and the time of day that
     # 32 buckets blur, and that gradient boosting on aggregates uses (`hgb_aggregates`).
-    time_encodings: bool = False
+    time_encodings: bool = True
 
     @property
     def visit_gap_s(self) -> float | None:
