@@ -281,8 +281,8 @@ def score_dataset(
     written = 0
     with atomic_dir(out) as staging, _progress(total, progress) as advance:
         index = -1
-        for index, chunk in enumerate(iter_chunks(parts, columns, chunk_journeys)):
-            chunk = mark_open(cut_at(chunk, as_of, loaded.event_columns), as_of, loaded.max_gap)
+        for index, read in enumerate(iter_chunks(parts, columns, chunk_journeys)):
+            chunk = mark_open(cut_at(read, as_of, loaded.event_columns), as_of, loaded.max_gap)
             scored = score_frame(
                 loaded, chunk, attention=attention, batch_size=batch_size, device=device
             ).with_columns(chunk.select("open", "quiet_seconds"))
@@ -292,8 +292,8 @@ def score_dataset(
             scored = scored.select(pl.col(name).cast(dtype) for name, dtype in schema.items())
             scored.write_parquet(staging / PART_FILE.format(index), metadata=parquet_metadata)
             written += scored.height
-            advance(chunk.height)
-            del scored, chunk
+            advance(read.height)
+            del scored, chunk, read
             release_freed_memory()
         if index < 0:  # no rows at all: still a readable file with every column
             pl.DataFrame(schema=schema).write_parquet(

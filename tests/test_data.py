@@ -339,11 +339,16 @@ def test_batches_feed_the_model(tmp_path, frame) -> None:
     from journeys.model import JourneyTransformer
 
     frame.write_parquet(tmp_path / "journeys.parquet")
-    module = JourneyDataModule(tmp_path, VOCABS, n_time_buckets=32, max_len=8, batch_size=4)
+    module = JourneyDataModule(
+        tmp_path, VOCABS, n_time_buckets=32, max_len=8, batch_size=4, time_encodings_timezone="UTC"
+    )
     config = model_config_from(Model(d_model=16, n_heads=2, time_buckets=32), VOCABS, 8)
-    model = JourneyTransformer(config).eval()
+    model = JourneyTransformer(config).eval()  # time encodings on, as by default
     batch = next(iter(make_dataloader(module.encode(frame), 4)))
-    out = model(batch.tokens, batch.features, batch.time_buckets, batch.mask, attention="pooled")
+    out = model(
+        batch.tokens, batch.features, batch.time_buckets, batch.mask,
+        attention="pooled", continuous=batch.continuous,
+    )  # fmt: skip
     assert out.logits.shape == (4,)
     assert out.attention.shape == batch.mask.shape
 

@@ -91,7 +91,8 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
     )
     model = JourneyTransformer(model_config)
     model.load_state_dict(weights)
-    datamodule = JourneyDataModule(folder, vocabs, max_len=64)
+    zone = "UTC" if model_config.n_continuous else None  # the default time encodings
+    datamodule = JourneyDataModule(folder, vocabs, max_len=64, time_encodings_timezone=zone)
     datamodule.setup()
     val = datamodule.splits["val"]
     logits = run_model(model, val, batch_size=1024).logits

@@ -173,7 +173,7 @@ def test_a_price_that_drives_conversion_raises_the_models_auc() -> None:
         names = ["price"] if with_price else []
         inputs = ContinuousInputs(None, numeric_scaling(frames["train"], names))
         torch.manual_seed(0)
-        settings = Model(d_model=16, n_heads=2, n_layers=1)
+        settings = Model(d_model=16, n_heads=2, n_layers=1, time_encodings=False)
         model = JourneyTransformer(sized(settings, vocabs, max_len=8, n_numeric=len(names)))
         train = encode_journeys(frames["train"], vocabs, 32, 8, inputs)
         test = encode_journeys(frames["test"], vocabs, 32, 8, inputs)

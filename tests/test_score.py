@@ -14,7 +14,7 @@ from conftest import EVENT_TYPES, make_journeys_dataset
 from journeys import packaging
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.data import JourneyCollator, encode_journeys, model_config_from
+from journeys.data import ContinuousInputs, JourneyCollator, encode_journeys, model_config_from
 from journeys.datasets import is_journeys_dataset, read_metadata, scores_schema
 from journeys.ingest import run_ingest
 from journeys.model import JourneyTransformer
@@ -81,12 +81,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def direct_forward(model_dir: Path, frame: pl.DataFrame, attention: str | None = None):
     """The same model, loaded again, run by hand on `frame`: (probabilities, attention)."""
     loaded = packaging.load_model(str(model_dir))
-    encoded = encode_journeys(frame, loaded.vocabs, loaded.model.config.n_time_buckets, MAX_EVENTS)
+    time = ContinuousInputs("UTC") if loaded.preprocessing["time_encodings"] else None
+    n_time_buckets = loaded.model.config.n_time_buckets
+    encoded = encode_journeys(frame, loaded.vocabs, n_time_buckets, MAX_EVENTS, time)
     batch = JourneyCollator(encoded)(list(range(len(encoded))))
     with torch.no_grad():
         out = loaded.model(
-            batch.tokens, batch.features, batch.time_buckets, batch.mask, attention=attention
-        )
+            batch.tokens, batch.features, batch.time_buckets, batch.mask,
+            attention=attention, continuous=batch.continuous,
+        )  # fmt: skip
     probability = torch.sigmoid(out.logits.double() / loaded.temperature).numpy()
     weights = None
     if out.attention is not None:
