@@ -86,11 +86,15 @@ def measure(size: Size, precision: str, device: torch.device, steps: int, warmup
     buckets = torch.randint(1, TIME_BUCKETS, (b, length), device=device)
     mask = torch.ones(b, length, dtype=torch.bool, device=device)
     labels = torch.randint(0, 2, (b,), device=device).float()
+    # The time encodings the default model reads (None when it reads none).
+    continuous = (
+        torch.randn(b, config.n_continuous, length, device=device) if config.n_continuous else None
+    )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
     def step() -> None:
         with autocast:
-            logits = model(tokens, features, buckets, mask).logits.float()
+            logits = model(tokens, features, buckets, mask, continuous=continuous).logits.float()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
         loss.backward()
         optimizer.step()

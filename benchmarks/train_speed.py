@@ -35,8 +35,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def random_journeys(n: int, mean_events: float, max_len: int, vocab_sizes: list[int], seed: int):
-    """`EncodedJourneys` of n random journeys with geometric lengths (1..max_len)."""
+def random_journeys(
+    n: int,
+    mean_events: float,
+    max_len: int,
+    vocab_sizes: list[int],
+    seed: int,
+    n_continuous: int = 0,
+):
+    """`EncodedJourneys` of n random journeys with geometric lengths (1..max_len), with
+    `n_continuous` standard-normal continuous inputs per event (time encodings, numbers)."""
     import torch
 
     from journeys.data import EncodedJourneys
@@ -58,6 +66,9 @@ def random_journeys(n: int, mean_events: float, max_len: int, vocab_sizes: list[
         offsets=torch.from_numpy(offsets.astype(np.int64)),
         labels=torch.from_numpy((rng.random(n) < 0.1).astype(np.float32)),
         journey_ids=None,
+        continuous=torch.from_numpy(rng.standard_normal((n_continuous, total), dtype=np.float32))
+        if n_continuous
+        else None,
     )
 
 
@@ -84,10 +95,10 @@ def torch_encoder_model(model_config):
             self.blocks = nn.ModuleList()
             self.encoder = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
 
-        def forward(self, tokens, features, time_buckets, mask, attention=None):
+        def forward(self, tokens, features, time_buckets, mask, attention=None, continuous=None):
             mask = mask.bool()
             lengths = mask.sum(dim=1)
-            x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths)
+            x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths, continuous)
             h = self.ln_f(self.encoder(x, src_key_padding_mask=~seq_mask))
             pooled = self._pool(h, mask, (lengths - 1).clamp(min=0))
             return ModelOutput(self.head(pooled).squeeze(-1))
@@ -111,6 +122,7 @@ def run(
         vocab_size=int(encoded.tokens.max()) + 1,
         feature_vocab_sizes=tuple(int(encoded.features[i].max()) + 1 for i in range(n_features)),
         max_len=config.journey.max_events,
+        n_numeric=len(config.data.numeric_features),
     )
     module = JourneyModule(model_config, settings)
     if reference:
@@ -209,12 +221,19 @@ def main() -> None:
     import lightning as L
 
     from journeys.config import load_config
+    from journeys.data import continuous_count
 
     config = load_config(args.config, args.overrides)
     L.seed_everything(config.train.seed, verbose=False)
     sizes = [64, config.model.time_buckets, *(16 for _ in config.data.features)]
+    n_continuous = continuous_count(config.model.time_encodings, len(config.data.numeric_features))
     encoded = random_journeys(
-        args.journeys, args.mean_events, config.journey.max_events, sizes, config.train.seed
+        args.journeys,
+        args.mean_events,
+        config.journey.max_events,
+        sizes,
+        config.train.seed,
+        n_continuous,
     )
     # Interleaved A B B A (variants: A B C C B A), repeated; best of `--runs` each: every
     # model sees the same machine load, none always runs first (the first run in a process
