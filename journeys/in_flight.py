@@ -42,6 +42,7 @@ import polars as pl
 # Quiet times at which the curves are stored: log-spaced from one second to max_gap.
 GRID_POINTS = 96
 GRID_START_S = 1.0
+SEEN = "__journeys_seen"  # a working column: not a name a user's feature could have
 
 
 @dataclass(frozen=True)
@@ -111,21 +112,19 @@ class QuietSurvival:
 def cut_at(frame: pl.DataFrame, as_of: datetime, event_lists: list[str]) -> pl.DataFrame:
     """The journeys as they stood at `as_of`: later events dropped from every per-event
     list (and from `n_events` / `n_events_total`), journeys with no event by then dropped.
-    Event times are sorted, as ingest writes them."""
+    Event times are sorted, as ingest writes them. A journey longer than
+    `journey.max_events` keeps only its latest events, so one whose kept events all come
+    after `as_of` is dropped too."""
     seen = pl.col("event_time").list.eval(pl.element() <= as_of).list.sum()
-    later = pl.col("event_time").list.len() - pl.col("_seen")
+    later = pl.col("event_time").list.len() - pl.col(SEEN)
     updates = [
-        pl.col(name).list.head(pl.col("_seen"))
-        for name in ("event_type", "event_time", *event_lists)
+        pl.col(name).list.head(pl.col(SEEN)) for name in ("event_type", "event_time", *event_lists)
     ]
     for count in ("n_events", "n_events_total"):
         if count in frame.columns:
             updates.append((pl.col(count) - later).cast(frame.schema[count]))
     return (
-        frame.with_columns(_seen=seen)
-        .filter(pl.col("_seen") > 0)
-        .with_columns(updates)
-        .drop("_seen")
+        frame.with_columns(**{SEEN: seen}).filter(pl.col(SEEN) > 0).with_columns(updates).drop(SEEN)
     )
 
 
