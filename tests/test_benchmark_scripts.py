@@ -1,0 +1,37 @@
+"""The speed benchmarks still run on the default configuration (their smoke modes).
+
+They build the default model from `conf/default.yaml` and feed it journeys of their own;
+when the defaults gained inputs (the time encodings) they broke without a test noticing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_DISABLE_TELEMETRY": "true"}
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_train_speed_smoke_run_compares_with_torch_encoder() -> None:
+    out = run_script("benchmarks/train_speed.py", "--quick", "--runs", "2")
+    assert "journeys/s, this model / torch.nn.TransformerEncoder:" in out
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_smoke_run_on_cpu() -> None:
+    out = run_script("benchmarks/gpu.py", "--quick")
+    assert "tiny: bf16 / fp32 throughput" in out
