@@ -477,7 +477,7 @@ def weighted_auc(table: pl.DataFrame) -> float:
 
 def prefix_auc(prefix_len: np.ndarray, labels: np.ndarray, scores: np.ndarray) -> float:
     """The reference's headline number: AUC per prefix length, weighted by its count."""
-    return M.weighted_prefix_auc(*M.auc_by_prefix_length(prefix_len, labels, scores)[1:])
+    return weighted_auc(auc_by_prefix_length(prefix_len, labels, scores))
 
 
 # ----------------------------------------------------------------------------- transformer

@@ -301,11 +301,11 @@ def evaluate(model_uri: str, tracking: str | None, work: Path, args: argparse.Na
         simulate(raw, users=args.eval_users, seed=eval_seed)
     config = load_config(None, [f"paths.scores={work / 'eval_scores'}"])
     started = time.perf_counter()
-    rows, _ = score_input(
+    scored, _ = score_input(
         loaded, config, raw, work / "eval_scores", attention="pooled", progress=False
     )
     print(
-        f"scored {rows:,} fresh journeys through the raw-log path in {time.perf_counter() - started:.1f} s"
+        f"scored {scored.rows:,} fresh journeys through the raw-log path in {time.perf_counter() - started:.1f} s"
     )
 
     scores = pl.read_parquet(work / "eval_scores" / "*.parquet")
@@ -333,7 +333,7 @@ def evaluate(model_uri: str, tracking: str | None, work: Path, args: argparse.Na
             k: loaded.model_config.get(k)
             for k in ("d_model", "n_heads", "n_layers", "pooling", "causal")
         },
-        "eval_journeys": rows,
+        "eval_journeys": scored.rows,
         "lift_sample": sample.height,
         "evaluated": frame.height,
         "matched_truth": causal.height,

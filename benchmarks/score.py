@@ -136,7 +136,7 @@ def child(spec: dict) -> dict:
         wall, cpu = time.perf_counter(), time.process_time()
         rows = score_dataset(
             loaded, spec["journeys"], out / "scores", attention=attention, **settings
-        )
+        ).rows
         return rows, time.perf_counter() - wall, time.process_time() - cpu
 
     result: dict = {"threads": torch.get_num_threads()}

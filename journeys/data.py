@@ -291,15 +291,12 @@ def encode_journeys(
             else []
         ),
         *(kept(name).cast(pl.List(pl.Float64)).alias(f"n{i}") for i, name in enumerate(numeric)),
-        *(
-            kept(name)
-            .cast(pl.List(pl.Float64))
-            .list.eval(relative_to_earlier(pl.element().arcsinh()))
-            .alias(f"r{i}")
-            for i, name in enumerate(numeric)
-            if continuous.relative
-        ),
     )
+    if continuous.relative:
+        lists = lists.with_columns(
+            pl.col(f"n{i}").list.eval(relative_to_earlier(pl.element().arcsinh())).alias(f"r{i}")
+            for i in range(len(numeric))
+        )
     list_columns = lists.columns
     lengths = lists.select(pl.col(c).list.len().fill_null(0).cast(pl.Int64) for c in list_columns)
     ragged = lengths.filter(

@@ -202,6 +202,17 @@ def _libc() -> Any:
 # ----------------------------------------------------------------------------- scoring
 
 
+@dataclass(frozen=True)
+class Scored:
+    """What `score_dataset` wrote: its rows, out of the input's journeys (the others had
+    not started by `as_of`), how many of them are open, and the moment they stand at."""
+
+    rows: int
+    journeys: int
+    open: int
+    as_of: datetime
+
+
 @dataclass
 class ScoreResult:
     """What one scoring run produced."""
@@ -237,14 +248,13 @@ def score_dataset(
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
     as_of: datetime | None = None,
-) -> int:
+) -> Scored:
     """Score every journey of a journeys folder, as it stood at `as_of` (default: the end
     of the data), into Parquet parts under `out` (atomic).
 
-    Returns the number of rows written: the input's journeys less those that had not
-    started by `as_of`. `attention=None` skips the attention export (for benchmarks; the
-    product always exports it). An empty input gives one empty part file with the full
-    schema.
+    Rows are the input's journeys less those that had not started by `as_of`.
+    `attention=None` skips the attention export (for benchmarks; the product always
+    exports it). An empty input gives one empty part file with the full schema.
     """
     from journeys.inference import pick_device
 
@@ -278,7 +288,7 @@ def score_dataset(
     loaded.model.to(device)
     survival = loaded.quiet_survival
     total = count_rows(parts)
-    written = 0
+    written = n_open = 0
     with atomic_dir(out) as staging, _progress(total, progress) as advance:
         index = -1
         for index, read in enumerate(iter_chunks(parts, columns, chunk_journeys)):
@@ -292,6 +302,7 @@ def score_dataset(
             scored = scored.select(pl.col(name).cast(dtype) for name, dtype in schema.items())
             scored.write_parquet(staging / PART_FILE.format(index), metadata=parquet_metadata)
             written += scored.height
+            n_open += int(scored.get_column("open").sum())
             advance(read.height)
             del scored, chunk, read
             release_freed_memory()
@@ -299,7 +310,7 @@ def score_dataset(
             pl.DataFrame(schema=schema).write_parquet(
                 staging / PART_FILE.format(0), metadata=parquet_metadata
             )
-    return written
+    return Scored(written, total, n_open, as_of)
 
 
 def data_end(folder: Path, parts: list[Path]) -> datetime:
@@ -357,12 +368,12 @@ def score_input(
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
     as_of: datetime | None = None,
-) -> tuple[int, dict[str, Any] | None]:
+) -> tuple[Scored, dict[str, Any] | None]:
     """Score a journeys folder, or ingest a raw log with the model's settings and score it,
     as the journeys stood at `as_of` (default: the end of the data).
 
-    `attention` None means `score.attention` from the configuration. Returns (rows
-    written, the ingest report when the input was a raw log). A raw log's quarantined rows
+    `attention` None means `score.attention` from the configuration. Returns (what was
+    scored, the ingest report when the input was a raw log). A raw log's quarantined rows
     go to `<out>-quarantine/` (`quarantine_beside`).
     """
     from journeys.ingest import run_ingest
@@ -389,8 +400,8 @@ def score_input(
             journeys_folder=scratch / "journeys",
             quarantine_folder=quarantine_beside(out),
         )
-        rows = score_dataset(loaded, result.journeys_folder, out, **settings)
-        return rows, result.report
+        scored = score_dataset(loaded, result.journeys_folder, out, **settings)
+        return scored, result.report
 
 
 def quarantine_beside(out: Path) -> Path:
@@ -462,18 +473,16 @@ def score_command(
 
     started = time.perf_counter()
     try:
-        rows, report = score_input(
+        scored, report = score_input(
             loaded, config, source, out, attention=attention, metadata=metadata, as_of=moment
         )
     except BaseException:
         if run:
             run.finish("FAILED")
         raise
-    scored_as_of, n_open = open_journeys(out)
-    input_journeys = report["journeys"] if report else count_rows(parquet_parts(Path(source)))
     result = ScoreResult(
         out=out,
-        rows=rows,
+        rows=scored.rows,
         parts=len(parquet_parts(out)),
         model_uri=loaded.model_uri,
         model_version=loaded.model_version,
@@ -483,9 +492,9 @@ def score_command(
         ingest_report=report,
         run_id=run.run_id if run else None,
         metadata=metadata,
-        as_of=scored_as_of,
-        open=n_open,
-        not_started=input_journeys - rows,
+        as_of=scored.as_of,
+        open=scored.open,
+        not_started=scored.journeys - scored.rows,
     )
     _print_summary(result)
     if result.open and loaded.quiet_survival is None:
@@ -498,15 +507,6 @@ def score_command(
         run.log(result)
         run.finish("FINISHED")
     return result
-
-
-def open_journeys(scores: Path) -> tuple[datetime | None, int]:
-    """The moment written scores stand at, and how many of their journeys are open."""
-    frame = pl.scan_parquet(parquet_parts(scores)).select(
-        pl.col("as_of").first(), pl.col("open").sum()
-    )
-    as_of, n_open = frame.collect().row(0)
-    return as_of, int(n_open or 0)
 
 
 def _print_summary(result: ScoreResult) -> None:
