@@ -288,6 +288,12 @@ class Model(Section):
     # weekday as points on a circle (`data.timezone`). Durations and the time of day that
     # 32 buckets blur, and that gradient boosting on aggregates uses (`hgb_aggregates`).
     time_encodings: bool = True
+    # How a numeric feature enters an event (`data.numeric_features`): `projection` adds its
+    # scaled value, a missing flag and its value against the journey's earlier values to
+    # the continuous inputs; `buckets` embeds the value and that relative value each by its
+    # train-quantile bucket (`numeric_buckets` of them; missing has its own id).
+    numeric_encoding: Literal["projection", "buckets"] = "projection"
+    numeric_buckets: Annotated[int, Field(ge=2)] = 16
 
     @property
     def visit_gap_s(self) -> float | None:

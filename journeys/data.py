@@ -89,6 +89,10 @@ NumericScaling = tuple[tuple[str, float, float], ...]
 # first): whether a price is above the user's usual is one input, not a sum the network
 # must learn to take over the journey.
 NUMERIC_INPUTS = ("value", "missing", "relative")
+# With `model.numeric_encoding: buckets` these two are embedded by their train-quantile
+# bucket instead, as extra categorical features after the model's own (id 0: padding,
+# 1: missing or no earlier value, then the buckets); missing needs no flag of its own.
+BUCKETED_INPUTS = ("value", "relative")
 
 
 @dataclass(frozen=True)
@@ -96,11 +100,13 @@ class ContinuousInputs:
     """The continuous inputs `encode_journeys` adds per event, in this order: the time
     encodings (when `timezone` is set: hours are read there), then `NUMERIC_INPUTS` for
     each numeric feature (`continuous_count` of them). `relative: False` leaves the third
-    out (models trained before it existed)."""
+    out (models trained before it existed). With `bucket_edges` (`numeric_bucket_edges`)
+    the numbers are bucket ids instead (`BUCKETED_INPUTS`), not continuous inputs."""
 
     timezone: str | None = None
     numeric: NumericScaling = ()
     relative: bool = True
+    bucket_edges: tuple[tuple[float, ...], ...] = ()
 
     @property
     def numeric_names(self) -> list[str]:
@@ -119,8 +125,35 @@ def numeric_scaling(frame: pl.DataFrame, names: list[str]) -> NumericScaling:
     return tuple(out)
 
 
-def continuous_count(time_encodings: bool, n_numeric: int, relative: bool = True) -> int:
+def numeric_bucket_edges(
+    frame: pl.DataFrame, names: list[str], n_buckets: int
+) -> tuple[tuple[float, ...], ...]:
+    """Inner edges of `n_buckets` equal-count buckets of each of `BUCKETED_INPUTS` over the
+    non-missing events of `frame` (the train split), feature by feature: what scoring
+    applies unchanged. Ties merge buckets, so a column may get fewer."""
+    quantiles = np.arange(1, n_buckets) / n_buckets
+    out = []
+    for name in names:
+        value = pl.col(name).cast(pl.List(pl.Float64))
+        inputs = frame.select(
+            value.list.eval(pl.element().arcsinh()).explode().alias("value"),
+            value.list.eval(relative_to_earlier(pl.element().arcsinh()))
+            .explode()
+            .alias("relative"),
+        )
+        for column in BUCKETED_INPUTS:
+            known = inputs.get_column(column).drop_nulls().to_numpy()
+            edges = np.unique(np.quantile(known, quantiles)) if known.size else np.empty(0)
+            out.append(tuple(float(edge) for edge in edges))
+    return tuple(out)
+
+
+def continuous_count(
+    time_encodings: bool, n_numeric: int, relative: bool = True, buckets: bool = False
+) -> int:
     """How many continuous inputs a model reads per event (`ContinuousInputs`)."""
+    if buckets:
+        n_numeric = 0  # embedded as bucket ids instead
     per_number = len(NUMERIC_INPUTS) - (0 if relative else 1)
     return (len(TIME_ENCODINGS) if time_encodings else 0) + per_number * n_numeric
 
@@ -200,6 +233,13 @@ def model_config_from_sizes(
     n_numeric: int = 0,
 ) -> ModelConfig:
     """The `ModelConfig` of the `model` config section with explicit vocabulary sizes."""
+    buckets = settings.numeric_encoding == "buckets"
+    if buckets:  # padding, missing, then the buckets (`BUCKETED_INPUTS`)
+        bucket_vocab = settings.numeric_buckets + 2
+        feature_vocab_sizes = (
+            *feature_vocab_sizes,
+            *(bucket_vocab,) * (len(BUCKETED_INPUTS) * n_numeric),
+        )
     return ModelConfig(
         vocab_size=vocab_size,
         feature_vocab_sizes=feature_vocab_sizes,
@@ -216,7 +256,7 @@ def model_config_from_sizes(
         causal=settings.causal,
         max_len=max_len,
         visit_bucket=visit_bucket(settings),
-        n_continuous=continuous_count(settings.time_encodings, n_numeric),
+        n_continuous=continuous_count(settings.time_encodings, n_numeric, buckets=buckets),
     )
 
 
@@ -292,7 +332,8 @@ def encode_journeys(
         ),
         *(kept(name).cast(pl.List(pl.Float64)).alias(f"n{i}") for i, name in enumerate(numeric)),
     )
-    if continuous.relative:
+    bucketed = bool(continuous.bucket_edges)
+    if continuous.relative or bucketed:
         lists = lists.with_columns(
             pl.col(f"n{i}").list.eval(relative_to_earlier(pl.element().arcsinh())).alias(f"r{i}")
             for i in range(len(numeric))
@@ -316,7 +357,7 @@ def encode_journeys(
         ),
         *(
             expr
-            for i, (_, centre, scale) in enumerate(continuous.numeric)
+            for i, (_, centre, scale) in enumerate(() if bucketed else continuous.numeric)
             for expr in (
                 ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0),
                 pl.col(f"n{i}").is_null(),  # the missing flag
@@ -333,6 +374,14 @@ def encode_journeys(
         time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
         # In `ContinuousInputs` order, under names of ours (a feature may be called "token").
         *(expr.cast(pl.Float32).alias(f"c{k}") for k, expr in enumerate(inputs)),
+        *(
+            column
+            for i in range(len(numeric) if bucketed else 0)
+            for column in (
+                pl.col(f"n{i}").arcsinh().alias(f"bv{i}"),
+                pl.col(f"r{i}").alias(f"br{i}"),
+            )
+        ),
     )
     n_events = flat.height
     continuous_tensor = None
@@ -345,6 +394,13 @@ def encode_journeys(
         feature_tensor = torch.from_numpy(np.ascontiguousarray(columns.to_numpy(writable=True).T))
     else:
         feature_tensor = torch.zeros(0, n_events, dtype=torch.int32)
+    if bucketed:
+        sources = [f"{kind}{i}" for i in range(len(numeric)) for kind in ("bv", "br")]
+        ids = [
+            bucket_ids(flat.get_column(source).to_numpy(), edges)
+            for source, edges in zip(sources, continuous.bucket_edges, strict=True)
+        ]
+        feature_tensor = torch.cat([feature_tensor, torch.from_numpy(np.stack(ids))])
 
     journey_lengths = _to_torch(lengths.get_column("s0"))
     offsets = torch.zeros(len(journey_lengths) + 1, dtype=torch.int64)
@@ -365,6 +421,12 @@ def encode_journeys(
         feature_names=tuple(features),
         continuous=continuous_tensor,
     )
+
+
+def bucket_ids(values: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
+    """int32 bucket id per value: 1 where missing (NaN), else 2 + the edges at or below it."""
+    ids = np.searchsorted(np.asarray(edges, dtype=np.float64), values, side="right") + 2
+    return np.where(np.isnan(values), 1, ids).astype(np.int32)
 
 
 def _to_torch(series: pl.Series) -> Tensor:

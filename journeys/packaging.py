@@ -60,16 +60,19 @@ def preprocessing_settings(
     config: Config,
     numeric_scaling: NumericScaling = (),
     quiet_survival: QuietSurvival | None = None,
+    bucket_edges: tuple[tuple[float, ...], ...] = (),
 ) -> dict[str, Any]:
     """Everything scoring needs to rebuild journeys exactly as training saw them, the
-    numeric features' train scaling (`journeys.data.numeric_scaling`) included, and how
-    long journeys stay quiet (`journeys.in_flight`) to score the open ones."""
+    numeric features' train scaling (`journeys.data.numeric_scaling`) and bucket edges
+    (`numeric_bucket_edges`) included, and how long journeys stay quiet
+    (`journeys.in_flight`) to score the open ones."""
     data, journey = config.data, config.journey
     return {
         "format_version": FORMAT_VERSION,
         "features": list(data.features),
         "numeric_features": list(data.numeric_features),
         "numeric_scaling": [list(entry) for entry in numeric_scaling],
+        "numeric_bucket_edges": [list(edges) for edges in bucket_edges],
         "n_time_buckets": config.model.time_buckets,
         "max_events": journey.max_events,
         "max_gap": journey.max_gap,
@@ -121,7 +124,9 @@ class LoadedModel:
             (n, float(c), float(s)) for n, c, s in self.preprocessing.get("numeric_scaling", [])
         )
         zone = self.preprocessing.get("timezone", "UTC") if time else None
-        return ContinuousInputs(zone, scaling, bool(self.preprocessing.get("numeric_relative")))
+        edges = tuple(tuple(e) for e in self.preprocessing.get("numeric_bucket_edges", []))
+        relative = bool(self.preprocessing.get("numeric_relative"))
+        return ContinuousInputs(zone, scaling, relative, edges)
 
     @property
     def max_gap(self) -> timedelta:

@@ -483,8 +483,9 @@ def _log_and_register(
             for path in evaluation.plots.values():
                 client.log_artifact(run.run_id, str(path), "plots")
             client.set_tag(run.run_id, tracking.BEST_CHECKPOINT_TAG, best)
+            inputs = run.datamodule.continuous
             preprocessing = packaging.preprocessing_settings(
-                run.config, run.datamodule.continuous.numeric, quiet_survival(run.config)
+                run.config, inputs.numeric, quiet_survival(run.config), inputs.bucket_edges
             )
             module.model.cpu()  # weights are saved from CPU tensors
             info = packaging.log_model(

@@ -36,6 +36,7 @@ from journeys.data import (
     JourneyBatch,
     encode_journeys,
     make_dataloader,
+    numeric_bucket_edges,
     numeric_scaling,
     sample_negatives,
 )
@@ -101,6 +102,7 @@ class JourneyDataModule(L.LightningDataModule):
         negative_fraction: float = 1.0,
         time_encodings_timezone: str | None = None,
         numeric_features: list[str] | None = None,
+        numeric_buckets: int = 0,
     ) -> None:
         super().__init__()
         self.journeys_dir = Path(journeys_dir)
@@ -115,6 +117,7 @@ class JourneyDataModule(L.LightningDataModule):
         self.bucket_batches = bucket_batches
         self.negative_fraction = negative_fraction
         self.numeric_features = list(numeric_features or [])
+        self.numeric_buckets = numeric_buckets  # 0: numbers go in by projection
         # The time zone of the time encodings, and train's numeric scaling once set up.
         self.continuous = ContinuousInputs(time_encodings_timezone)
         self.splits: dict[str, EncodedJourneys] = {}
@@ -134,6 +137,9 @@ class JourneyDataModule(L.LightningDataModule):
             negative_fraction=negative_fraction,
             time_encodings_timezone=config.data.timezone if config.model.time_encodings else None,
             numeric_features=config.data.numeric_features,
+            numeric_buckets=(
+                config.model.numeric_buckets if config.model.numeric_encoding == "buckets" else 0
+            ),
         )
 
     @property
@@ -162,7 +168,12 @@ class JourneyDataModule(L.LightningDataModule):
         # Numbers are scaled with the train split's statistics only, stored with the model.
         train = frame.filter(pl.col("split") == "train")
         scaling = numeric_scaling(train, self.numeric_features)
-        self.continuous = ContinuousInputs(self.continuous.timezone, scaling)
+        edges = (
+            numeric_bucket_edges(train, self.numeric_features, self.numeric_buckets)
+            if self.numeric_buckets
+            else ()
+        )
+        self.continuous = ContinuousInputs(self.continuous.timezone, scaling, True, edges)
         for split in SPLITS:
             self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
 
