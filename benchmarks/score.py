@@ -1,5 +1,5 @@
-"""Benchmark `journeys score`: throughput with and without the attention export, and peak
-memory at 1x and 10x the input size.
+"""Benchmark `journeys score`: throughput with and without the attention export, against a
+bare PyTorch loop, on 1 and 2 workers, and peak memory at 1x and 10x the input size.
 
 - Throughput: the same journeys dataset is scored end to end (`journeys.score.
   score_dataset`: read Parquet, encode, forward, write Parquet) with `attention=None`
@@ -10,6 +10,14 @@ memory at 1x and 10x the input size.
   is no help, OpenMP threads spin while they wait), and the export cost from the CPU time
   of a single-threaded child (median per mode): one thread's CPU time is the work done,
   which other processes hardly disturb. Target: the export costs < 15%.
+- Against a bare loop: the same model over the same journeys in plain PyTorch (batches
+  encoded, length-grouped and padded beforehand, untimed; then forward passes with the
+  pooled attention and the outputs copied to NumPy: no Polars, no Parquet), alternating
+  with the product's end-to-end run, best wall time of each. Target: >= 0.8x.
+- Workers: the input's part files on 2 workers (`parts_in_pool`: threads, and spawned
+  processes whose start-up counts) against 1 worker, each worker with one PyTorch
+  thread (`worker_threads`), best wall time of each; and against 1 worker with every
+  core, the default before scoring was mapped. Target: 2 workers >= 1.6x one.
 - Memory: each size runs in its own fresh child process; its peak RSS (VmHWM) after one
   full scoring run is compared with the peak after imports and model loading.
   Target: flat (scoring streams in chunks of `score.chunk_journeys` journeys).
@@ -55,7 +63,10 @@ USERS = 40_000
 SCALES = (1, 10)
 REPEATS = 5  # alternating (no export, pooled, rollout) runs at 1x
 MODES = ("none", "pooled", "rollout")
+WORKER_MODES = ("1 worker", "2 threads", "2 processes", "1 worker, all cores")
 EXPORT_TARGET = 0.15
+BARE_TARGET = 0.8
+WORKERS_TARGET = 1.6
 ENV = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 
 
@@ -159,6 +170,37 @@ def child(spec: dict) -> dict:
                 "chunk_peaks_mb": [round(p) for p in chunk_peaks],
                 "seconds": seconds,
             }
+        elif spec["task"] == "bare":
+            batches = bare_batches(loaded, spec["journeys"], spec["batch_size"])
+            wall = {"product": [], "bare": []}
+            for _ in range(spec["repeats"]):
+                rows, seconds, _ = run("pooled")
+                wall["product"].append(seconds)
+                wall["bare"].append(bare_loop(loaded.model, batches))
+            result |= {"rows": rows, "wall": wall}
+        elif spec["task"] == "workers":
+            pools = {
+                "1 worker": None,
+                "2 threads": journeys.score.parts_in_pool("thread", 2),
+                "2 processes": journeys.score.parts_in_pool("process", 2),
+            }
+            cores = torch.get_num_threads()
+            wall = {mode: [] for mode in WORKER_MODES}
+            for _ in range(spec["repeats"]):
+                for mode in WORKER_MODES:
+                    # One worker gets one PyTorch thread, as each of two does on 2 cores.
+                    torch.set_num_threads(cores if mode.endswith("all cores") else 1)
+                    began = time.perf_counter()
+                    rows = score_dataset(
+                        loaded, spec["journeys"], out / "scores", attention="pooled",
+                        map_parts=pools.get(mode), **settings,
+                    ).rows  # fmt: skip
+                    wall[mode].append(time.perf_counter() - began)
+            result |= {
+                "rows": rows,
+                "wall": wall,
+                "parts": len(list(Path(spec["journeys"]).glob("part-*.parquet"))),
+            }
         else:
             wall: dict[str, list[float]] = {mode: [] for mode in MODES}
             cpu: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -171,6 +213,34 @@ def child(spec: dict) -> dict:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+def bare_batches(loaded, journeys: str, batch_size: int) -> list:
+    """The journeys as the model's padded, length-grouped batches, built beforehand."""
+    import polars as pl
+
+    from journeys.data import make_dataloader
+
+    frame = pl.read_parquet(Path(journeys) / "part-*.parquet")
+    encoded = loaded.encode(frame)
+    return list(make_dataloader(encoded, batch_size, shuffle=False, group_by_length=True))
+
+
+def bare_loop(model, batches: list) -> float:
+    """Wall seconds of a plain PyTorch pass over `batches`: logits and pooled attention
+    out to NumPy, as any scoring loop must."""
+    import torch
+
+    began = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            out = model(
+                batch.tokens, batch.features, batch.time_buckets, batch.mask,
+                attention="pooled", continuous=batch.continuous,
+            )  # fmt: skip
+            out.logits.numpy()
+            out.attention[batch.mask].numpy()
+    return time.perf_counter() - began
 
 
 def run_child(spec: dict) -> dict:
@@ -219,6 +289,7 @@ def markdown(results: dict, args: argparse.Namespace, command: str, host: str) -
         + "; ".join(f"{m} {', '.join(f'{c:.2f}' for c in single['cpu'][m])}" for m in MODES)
         + ".",
         "",
+        *bare_and_workers(results),
         "| input | journeys | chunks | peak RSS after imports + model | peak RSS after scoring | scoring adds | peak after chunk 1, 2, 4, 8, ... (MiB) |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
@@ -233,6 +304,41 @@ def markdown(results: dict, args: argparse.Namespace, command: str, host: str) -
             f"{', '.join(f'{p:,}' for p in shown)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def bare_and_workers(results: dict) -> list[str]:
+    """The table lines against the bare loop and on 1 or 2 workers."""
+    bare, workers = results["bare"], results["workers"]
+    best = {mode: min(values) for mode, values in bare["wall"].items()}
+    ratio = best["bare"] / best["product"]
+    fastest = {mode: min(values) for mode, values in workers["wall"].items()}
+    one = fastest["1 worker"]
+    lines = [
+        f"| against the bare loop, {bare['rows']:,} journeys, pooled attention | product | "
+        "bare PyTorch loop | product / bare (target >= 0.8x) |",
+        "|---|---:|---:|---:|",
+        f"| journeys/s, {bare['threads']} threads (best run) | {bare['rows'] / best['product']:,.0f} | "
+        f"{bare['rows'] / best['bare']:,.0f} | **{ratio:.2f}x** |",
+        "",
+        f"| {workers['parts']} part files, pooled attention | " + " | ".join(WORKER_MODES) + " |",
+        "|---|" + "---:|" * len(WORKER_MODES),
+        "| journeys/s (best run) | "
+        + " | ".join(f"{workers['rows'] / fastest[m]:,.0f}" for m in WORKER_MODES)
+        + " |",
+        "| against 1 worker (target: 2 workers >= 1.6x) | "
+        + " | ".join(f"**{one / fastest[m]:.2f}x**" for m in WORKER_MODES)
+        + " |",
+        "",
+        "All runs, wall seconds: "
+        + "; ".join(f"{m} {', '.join(f'{w:.1f}' for w in bare['wall'][m])}" for m in bare["wall"])
+        + "; "
+        + "; ".join(
+            f"{m} {', '.join(f'{w:.1f}' for w in workers['wall'][m])}" for m in WORKER_MODES
+        )
+        + ".",
+        "",
+    ]
+    return lines
 
 
 def main() -> None:
@@ -272,8 +378,13 @@ def main() -> None:
         results["memory"][scale] = run_child(spec)
         print(f"memory {scale}x: {json.dumps(results['memory'][scale])}", flush=True)
     smallest = str(folders[min(folders)])
-    for name, threads in (("throughput", None), ("single_thread", 1)):
-        spec = {**base, "task": "throughput", "journeys": smallest, "threads": threads}
+    for name, task, threads in (
+        ("throughput", "throughput", None),
+        ("single_thread", "throughput", 1),
+        ("bare", "bare", None),
+        ("workers", "workers", None),
+    ):
+        spec = {**base, "task": task, "journeys": smallest, "threads": threads}
         results[name] = run_child(spec)
         print(f"{name}: {json.dumps(results[name])}", flush=True)
     command = "python benchmarks/score.py " + " ".join(sys.argv[1:])

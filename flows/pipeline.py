@@ -21,6 +21,7 @@ from __future__ import annotations
 from flows import _env  # noqa: F401  # isort: skip  (environment defaults before Prefect)
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -62,6 +63,7 @@ from journeys.config import Config, redact_uri
 from journeys.errors import InputError, JourneysError
 from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
 from journeys.processes import run_supervised
+from journeys.score import MapParts, PartScored, ScorePart, worker_threads
 
 # The library module each stage calls; the code hashed into its cache key is every module
 # that one runs (`library_code`: imports read from the source, so never out of date).
@@ -210,6 +212,31 @@ def build_partition_task(
     return build(partition)
 
 
+def map_as_tasks(
+    task_: Any, settings: Orchestration, work: tuple[str, Any], items: tuple[str, list]
+) -> list[Any]:
+    """One task per item on the configured task runner, results in the items' order:
+    `task_(<work name>=work, <items name>=item, index=i)`. No per-item timeout: a worker
+    thread cannot be interrupted; the calling stage's own timeout bounds the whole."""
+    task_ = _configured(task_, settings, timeout_seconds=None)
+    (work_name, work_value), (items_name, values) = work, items
+    with make_task_runner(settings) as runner:
+        futures = runner.map(
+            task_,
+            {
+                work_name: unmapped(work_value),
+                items_name: values,
+                "index": list(range(len(values))),
+            },
+        )
+        try:
+            return [future.result() for future in futures]
+        except Exception as err:
+            if not isinstance(err, JourneysError):  # never retried: nothing to note
+                err.add_note(PARTITION_RETRIED)
+            raise
+
+
 def partitions_as_tasks(settings: Orchestration) -> ingest_lib.MapPartitions:
     """`run_ingest`'s pass 2 as one task per partition on the configured task runner."""
 
@@ -217,24 +244,9 @@ def partitions_as_tasks(settings: Orchestration) -> ingest_lib.MapPartitions:
         build: ingest_lib.PartitionBuilder, partitions: list[Path | None]
     ) -> list[ingest_lib.PartitionResult]:
         get_run_logger().info("building %d partition(s)", len(partitions))
-        # No per-partition timeout: a worker thread cannot be interrupted; the ingest
-        # task's own timeout bounds the whole stage.
-        task_ = _configured(build_partition_task, settings, timeout_seconds=None)
-        with make_task_runner(settings) as runner:
-            futures = runner.map(
-                task_,
-                {
-                    "build": unmapped(build),
-                    "partition": partitions,
-                    "index": list(range(len(partitions))),
-                },
-            )
-            try:
-                return [future.result() for future in futures]
-            except Exception as err:
-                if not isinstance(err, JourneysError):  # never retried: nothing to note
-                    err.add_note(PARTITION_RETRIED)
-                raise
+        return map_as_tasks(
+            build_partition_task, settings, ("build", build), ("partition", partitions)
+        )
 
     return map_partitions
 
@@ -446,12 +458,41 @@ def train_flow(
 # ----------------------------------------------------------------------------- score
 
 
+@task(name="score-part", task_run_name="score-part-{index}")
+def score_part_task(score: ScorePart, part: Path, index: int) -> PartScored:
+    """One part file of the journeys, scored into the scores' staging folder."""
+    return score(index, part)
+
+
+def parts_as_tasks(settings: Orchestration) -> MapParts:
+    """Scoring as one task per input part file on the configured task runner; on threads
+    and processes each worker gets its share of this machine's cores for PyTorch."""
+
+    def map_parts(score: ScorePart, parts: list[Path]) -> list[PartScored]:
+        import torch
+
+        get_run_logger().info("scoring %d part(s)", len(parts))
+        if settings.task_runner != "dask":  # a Dask cluster's workers size their own
+            workers = min(settings.max_workers or len(parts), len(parts))
+            score = dataclasses.replace(score, torch_threads=worker_threads(workers))
+        threads = torch.get_num_threads()
+        try:
+            return map_as_tasks(score_part_task, settings, ("score", score), ("part", parts))
+        finally:
+            torch.set_num_threads(threads)  # thread workers set it for the whole process
+
+    return map_parts
+
+
 @task(name="score", cache_key_fn=task_key, persist_result=True, result_serializer="json")
 def score_task(config: Config, key: str, model_uri: str) -> dict[str, Any]:
-    """Batch-score every journey (censored ones too) with the pinned champion version."""
+    """Batch-score every journey (censored ones too) with the pinned champion version,
+    each part file a task of its own."""
     from journeys.score import score_command
 
-    result = score_command(config, model_uri=model_uri)
+    result = score_command(
+        config, model_uri=model_uri, map_parts=parts_as_tasks(orchestration(config))
+    )
     write_marker(config.paths.scores, key)
     return {
         "rows": result.rows,

@@ -23,6 +23,7 @@ from journeys.errors import InputError, first_line
 from journeys.vocab import VOCAB_FILE, Vocabularies
 
 PART_FILE = "part-{:05d}.parquet"
+SCORES_PART_FILE = "part-{part:05d}-{chunk:05d}.parquet"  # by input part, then chunk
 SPLITS = ("train", "val", "test")
 # A feature value that was not recorded, in every table and report: never merged with a
 # real value.

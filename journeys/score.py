@@ -24,11 +24,18 @@ the *model's* vocabularies: nothing is refitted, and an event type the model nev
 to the unknown token. A model keeps only its last `max_len` events, so the list columns of
 a longer journey are cut to the events the model read and attention stays aligned with them.
 
-Memory stays bounded however large the input: the part files are read in chunks of
+Scoring scales out like ingest: each part file of the input (ingest's partitions) is
+scored on its own (`ScorePart`), and the parts are mapped over workers: `journeys score`
+runs `orchestration.max_workers` local threads or processes (`parts_in_pool`), the score
+flow one Prefect task per part on the configured task runner (thread, process, Dask). The
+output is the same whichever runs them: part files named by input part and chunk.
+
+Memory stays bounded however large the input: a worker reads its part in chunks of
 `score.chunk_journeys` journeys, one at a time; each chunk is scored in forward
 passes of `score.batch_size` (grouped by length, so little compute goes to padding),
-written as its own part file into a staging folder, and freed before the next one. The
-staging folder is swapped in atomically when all are done: readers never see half.
+written as its own part file into a staging folder, and freed before the next one (peak:
+about one chunk per worker). The staging folder is swapped in atomically when all are
+done: readers never see half.
 
 When the configured MLflow store exists (a server, or a SQLite file that is already there)
 the scoring run is logged to it (params `model_uri`, `rows`, ...); scoring never creates a
@@ -39,6 +46,7 @@ line and the flows run after scoring; it reads the scores and logs into the same
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -57,6 +65,7 @@ from journeys.datasets import (
     OPTIONAL_COLUMNS,
     PART_FILE,
     REPORT_FILE,
+    SCORES_PART_FILE,
     UTC_US,
     count_rows,
     input_schema,
@@ -237,6 +246,80 @@ class ScoreResult:
         return self.rows / self.seconds if self.seconds > 0 else float("nan")
 
 
+@dataclass(frozen=True)
+class PartScored:
+    """What `ScorePart` did with one part file: journeys read, rows written (the others
+    had not started by `as_of`), and how many of those are open."""
+
+    journeys: int
+    rows: int
+    open: int
+
+
+@dataclass(frozen=True)
+class ScorePart:
+    """Scores one part file of a journeys folder, chunk by chunk, into `staging` as
+    `part-<part>-<chunk>.parquet`: the unit `score_dataset` maps over the configured
+    workers. A plain picklable object, like ingest's `BuildPartition`, so a task runner
+    can ship it to worker threads, processes or a Dask cluster (whose workers must see
+    `staging`). `torch_threads`, when set, is the intra-op thread count of the worker."""
+
+    loaded: LoadedModel
+    staging: Path
+    columns: list[str]
+    schema: pl.Schema
+    as_of: datetime
+    scored_at: datetime
+    parquet_metadata: dict[str, str]
+    attention: AttentionMode | None = "pooled"
+    batch_size: int = 1024
+    chunk_journeys: int = 50_000
+    torch_threads: int | None = None
+
+    def __call__(self, index: int, part: Path) -> PartScored:
+        import torch
+
+        from journeys.inference import pick_device
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        loaded, device = self.loaded, pick_device()
+        loaded.model.to(device)
+        constants = [
+            pl.lit(self.as_of, UTC_US).alias("as_of"),
+            pl.lit(loaded.model_uri, pl.String).alias("model_uri"),
+            pl.lit(loaded.model_version, pl.String).alias("model_version"),
+            pl.lit(self.scored_at, UTC_US).alias("scored_at"),
+        ]
+        survival = loaded.quiet_survival
+        read = written = n_open = 0
+        for chunk_index, frame in enumerate(iter_chunks([part], self.columns, self.chunk_journeys)):
+            chunk = mark_open(
+                cut_at(frame, self.as_of, loaded.event_columns), self.as_of, loaded.max_gap
+            )
+            scored = score_frame(
+                loaded, chunk, attention=self.attention, batch_size=self.batch_size, device=device
+            ).with_columns(chunk.select("open", "quiet_seconds"))
+            if survival is not None:
+                scored = in_flight_probability(scored, survival)
+            scored = scored.with_columns(constants)
+            scored = scored.select(pl.col(name).cast(dtype) for name, dtype in self.schema.items())
+            name = SCORES_PART_FILE.format(part=index, chunk=chunk_index)
+            scored.write_parquet(self.staging / name, metadata=self.parquet_metadata)
+            read += frame.height
+            written += scored.height
+            n_open += int(scored.get_column("open").sum())
+            del scored, chunk, frame
+            release_freed_memory()
+        return PartScored(read, written, n_open)
+
+
+# Runs `ScorePart` over the input's part files (score(index, part)), results in their
+# order: `map_in_order` in this process by default; `parts_in_pool` for the CLI; the
+# score flow maps them as Prefect tasks on the configured task runner.
+MapParts = Callable[[ScorePart, list[Path]], list[PartScored]]
+
+
 def score_dataset(
     loaded: LoadedModel,
     journeys_folder: str | Path,
@@ -248,16 +331,18 @@ def score_dataset(
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
     as_of: datetime | None = None,
+    map_parts: MapParts | None = None,
 ) -> Scored:
     """Score every journey of a journeys folder, as it stood at `as_of` (default: the end
     of the data), into Parquet parts under `out` (atomic).
 
+    Each input part file is scored on its own (`ScorePart`); `map_parts` spreads them over
+    workers (default: one after the other, here, with a progress bar). The output is the
+    same whichever map runs them: part files named by input part and chunk, in input order.
     Rows are the input's journeys less those that had not started by `as_of`.
     `attention=None` skips the attention export (for benchmarks; the product always
     exports it). An empty input gives one empty part file with the full schema.
     """
-    from journeys.inference import pick_device
-
     folder = Path(journeys_folder)
     parts = parquet_parts(folder)
     if not parts:
@@ -276,41 +361,68 @@ def score_dataset(
         schema = pl.Schema({k: v for k, v in schema.items() if k != "attention"})
     metadata = dict(metadata or {})
     scored_at = datetime.fromisoformat(metadata.get("scored_at") or _now()).astimezone(UTC)
-    constants = [
-        pl.lit(as_of, UTC_US).alias("as_of"),
-        pl.lit(loaded.model_uri, pl.String).alias("model_uri"),
-        pl.lit(loaded.model_version, pl.String).alias("model_version"),
-        pl.lit(scored_at, UTC_US).alias("scored_at"),
-    ]
-    parquet_metadata = scores_metadata(metadata)
 
-    device = pick_device()
-    loaded.model.to(device)
-    survival = loaded.quiet_survival
-    total = count_rows(parts)
-    written = n_open = 0
-    with atomic_dir(out) as staging, _progress(total, progress) as advance:
-        index = -1
-        for index, read in enumerate(iter_chunks(parts, columns, chunk_journeys)):
-            chunk = mark_open(cut_at(read, as_of, loaded.event_columns), as_of, loaded.max_gap)
-            scored = score_frame(
-                loaded, chunk, attention=attention, batch_size=batch_size, device=device
-            ).with_columns(chunk.select("open", "quiet_seconds"))
-            if survival is not None:
-                scored = in_flight_probability(scored, survival)
-            scored = scored.with_columns(constants)
-            scored = scored.select(pl.col(name).cast(dtype) for name, dtype in schema.items())
-            scored.write_parquet(staging / PART_FILE.format(index), metadata=parquet_metadata)
-            written += scored.height
-            n_open += int(scored.get_column("open").sum())
-            advance(read.height)
-            del scored, chunk, read
-            release_freed_memory()
-        if index < 0:  # no rows at all: still a readable file with every column
+    with atomic_dir(out) as staging:
+        score = ScorePart(
+            loaded, staging, columns, schema, as_of, scored_at, scores_metadata(metadata),
+            attention, batch_size, chunk_journeys,
+        )  # fmt: skip
+        if map_parts is None:
+            with _progress(count_rows(parts), progress) as advance:
+                results = []
+                for index, part in enumerate(parts):
+                    results.append(score(index, part))
+                    advance(results[-1].journeys)
+        else:
+            results = map_parts(score, parts)
+        if not any(result.rows for result in results) and not parquet_parts(staging):
+            # no rows at all: still a readable file with every column
             pl.DataFrame(schema=schema).write_parquet(
-                staging / PART_FILE.format(0), metadata=parquet_metadata
+                staging / PART_FILE.format(0), metadata=score.parquet_metadata
             )
-    return Scored(written, total, n_open, as_of)
+    return Scored(
+        sum(r.rows for r in results),
+        sum(r.journeys for r in results),
+        sum(r.open for r in results),
+        as_of,
+    )
+
+
+def parts_in_pool(task_runner: str, workers: int | None) -> MapParts | None:
+    """The CLI's map for `orchestration.task_runner` and `max_workers` (None: one per CPU
+    core): a local pool of threads (`thread`) or processes (`process`, `dask`: a Dask
+    cluster is the score flow's), each worker with its share of the cores for PyTorch.
+    None with one worker: scored in order, here."""
+    workers = workers or os.cpu_count() or 1
+    if workers <= 1:
+        return None
+
+    def map_parts(score: ScorePart, parts: list[Path]) -> list[PartScored]:
+        import multiprocessing
+        from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+
+        import torch
+
+        n = min(workers, len(parts))
+        score = dataclasses.replace(score, torch_threads=worker_threads(n))
+        pool: Executor
+        if task_runner == "thread":
+            pool = ThreadPoolExecutor(n)
+        else:  # spawned: a forked PyTorch may deadlock
+            pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
+        threads = torch.get_num_threads()
+        try:
+            with pool:
+                return list(pool.map(score, range(len(parts)), parts))
+        finally:
+            torch.set_num_threads(threads)  # thread workers set it for the whole process
+
+    return map_parts
+
+
+def worker_threads(workers: int) -> int:
+    """PyTorch intra-op threads for each of `workers` workers on this machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 def data_end(folder: Path, parts: list[Path]) -> datetime:
@@ -368,6 +480,7 @@ def score_input(
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
     as_of: datetime | None = None,
+    map_parts: MapParts | None = None,
 ) -> tuple[Scored, dict[str, Any] | None]:
     """Score a journeys folder, or ingest a raw log with the model's settings and score it,
     as the journeys stood at `as_of` (default: the end of the data).
@@ -386,6 +499,7 @@ def score_input(
         metadata=metadata,
         progress=progress,
         as_of=as_of,
+        map_parts=map_parts,
     )
     if is_journeys_dataset(source):
         return score_dataset(loaded, source, out, **settings), None
@@ -433,11 +547,13 @@ def score_command(
     input_path: str | Path | None = None,
     out: str | Path | None = None,
     as_of: str | datetime | None = None,
+    map_parts: MapParts | None = None,
 ) -> ScoreResult:
     """`journeys score`: load the model, score, log the scoring run to MLflow.
 
     Defaults: model `models:/<mlflow.registered_model>@champion`, input `paths.journeys`,
-    output `paths.scores`, `as_of` the end of the data. A missing model or alias, an
+    output `paths.scores`, `as_of` the end of the data, the input's part files spread over
+    `orchestration.max_workers` local threads or processes (`parts_in_pool`). A missing model or alias, an
     unreadable input, a bad `as_of` or columns that do not match the configuration raise
     `InputError` (the CLI prints one line, exit 2).
     """
@@ -473,9 +589,11 @@ def score_command(
 
     started = time.perf_counter()
     try:
+        settings = config.orchestration
         scored, report = score_input(
-            loaded, config, source, out, attention=attention, metadata=metadata, as_of=moment
-        )
+            loaded, config, source, out, attention=attention, metadata=metadata, as_of=moment,
+            map_parts=map_parts or parts_in_pool(settings.task_runner, settings.max_workers),
+        )  # fmt: skip
     except BaseException:
         if run:
             run.finish("FAILED")

@@ -374,6 +374,45 @@ def test_partitioned_ingest_gives_the_same_journeys(tmp_path: Path) -> None:
     }
 
 
+def test_scoring_mapped_as_tasks_on_threads_or_processes_matches_scoring_in_order(
+    tmp_path: Path,
+) -> None:
+    """The score flow's map (`parts_as_tasks`): one Prefect task per part file, on the
+    thread and the process runner, writes byte for byte what scoring in order writes."""
+    from prefect import flow
+    from test_score import journeys_folder, save_tiny_model, split_into_parts
+
+    from flows.pipeline import parts_as_tasks
+    from flows.settings import Orchestration
+    from journeys.packaging import load_model
+    from journeys.score import score_dataset
+    from journeys.vocab import Vocabularies
+
+    one = journeys_folder(tmp_path / "one", n=120)
+    journeys = split_into_parts(one, tmp_path / "journeys", 4)
+    loaded = load_model(str(save_tiny_model(tmp_path / "model", Vocabularies.load(journeys))))
+    settings = dict(chunk_journeys=20, progress=False, metadata={"scored_at": "2026-03-01"})
+
+    @flow
+    def score_on(runner: str) -> int:
+        settings_ = Orchestration(task_runner=runner, max_workers=2, retry_delay_s=0)
+        out = tmp_path / runner
+        return score_dataset(
+            loaded, journeys, out, map_parts=parts_as_tasks(settings_), **settings
+        ).rows
+
+    with isolated(tmp_path):
+        assert score_dataset(loaded, journeys, tmp_path / "in-order", **settings).rows == 120
+        assert score_on("thread") == score_on("process") == 120
+    files = sorted(p.name for p in (tmp_path / "in-order").iterdir())
+    assert len(files) == 4 * 2  # 4 parts of ~30 journeys, chunks of 20
+    for runner in ("thread", "process"):
+        assert sorted(p.name for p in (tmp_path / runner).iterdir()) == files
+        for file in files:
+            expected = pl.read_parquet(tmp_path / "in-order" / file)
+            assert pl.read_parquet(tmp_path / runner / file).equals(expected), (runner, file)
+
+
 @pytest.mark.parametrize(("user_value", "expected"), [(None, 120), ("7", 7)])
 def test_first_temporary_server_start_gets_time_to_migrate(user_value, expected) -> None:
     """The first start on a fresh machine migrates a new database: Prefect's 20 s default

@@ -416,3 +416,67 @@ def test_after_conversion_travels_with_the_model(setup: tuple[Path, Path], tmp_p
     assert loaded.preprocessing["after_conversion"] == "drop"
     current = config_for(tmp_path)  # the default: new_journey
     assert scoring_config(current, loaded.preprocessing).journey.after_conversion == "drop"
+
+
+# --- scoring mapped over workers -------------------------------------------------------
+
+
+def split_into_parts(journeys: Path, folder: Path, n_parts: int) -> Path:
+    """The same journeys as `n_parts` part files (as ingest's partitions lay them out)."""
+    import shutil
+
+    folder.mkdir()
+    for name in ("vocab.json", "ingest_report.json"):
+        shutil.copy(journeys / name, folder / name)
+    frame = pl.read_parquet(journeys / "part-00000.parquet")
+    part = frame.get_column("user_id").hash(seed=0) % n_parts
+    for index in range(n_parts):
+        frame.filter(part == index).write_parquet(folder / f"part-{index:05d}.parquet")
+    return folder
+
+
+def test_scores_are_identical_from_one_or_four_parts_in_order_on_threads_or_processes(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Each input part is scored on its own (`ScorePart`) and mapped over workers: on a
+    pool of threads or of spawned processes the output files are byte for byte those of
+    scoring in order, and four parts give the rows one part gives."""
+    from journeys.score import parts_in_pool, score_dataset
+
+    journeys, model = setup
+    four = split_into_parts(journeys, tmp_path / "four", 4)
+    loaded = packaging.load_model(str(model))
+    scored_at = {"scored_at": "2026-03-01T00:00:00+00:00"}  # one run's moment for all
+    settings = dict(chunk_journeys=40, batch_size=16, progress=False, metadata=scored_at)
+    outputs = {}
+    for name, folder, map_parts in (
+        ("one part", journeys, None),
+        ("in order", four, None),
+        ("threads", four, parts_in_pool("thread", 2)),
+        ("processes", four, parts_in_pool("process", 2)),
+    ):
+        out = tmp_path / name.replace(" ", "-")
+        scored = score_dataset(loaded, folder, out, map_parts=map_parts, **settings)
+        assert scored.rows == scored.journeys == 240
+        outputs[name] = out
+    files = sorted(p.name for p in outputs["in order"].iterdir())
+    assert len(files) > 4  # several chunks of several parts
+    for name in ("threads", "processes"):
+        assert sorted(p.name for p in outputs[name].iterdir()) == files
+        for file in files:
+            same = pl.read_parquet(outputs[name] / file).equals(
+                pl.read_parquet(outputs["in order"] / file)
+            )
+            assert same, (name, file)
+    one = pl.read_parquet(outputs["one part"]).sort("journey_id")
+    four_parts = pl.read_parquet(outputs["in order"]).sort("journey_id")
+    assert one.drop("conversion_probability", "attention").equals(
+        four_parts.drop("conversion_probability", "attention")
+    )
+    # Other batch neighbours, other padding: equal to float precision.
+    np.testing.assert_allclose(
+        one["conversion_probability"], four_parts["conversion_probability"], rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        one["attention"].explode(), four_parts["attention"].explode(), atol=1e-6
+    )
