@@ -237,6 +237,50 @@ def test_every_timestamp_form_gives_the_same_utc_instant(tmp_path: Path) -> None
         assert journeys.get_column("start_time").to_list() == [instant], name
 
 
+MIXED_FORMS = [
+    "2026-01-05T10:00:00Z",
+    "2026-01-05T10:00:00.123z",
+    " 2026-01-05 10:00:00 ",
+    "2026-01-05T10:00:00+02:00",
+    "2026-01-05",
+    "2026-03-29T02:30:00",  # does not exist in Amsterdam (clocks go forward)
+    "2026-10-25 02:30:00",  # happens twice there: the earlier is meant
+    "1700000000",
+    "junk",
+    None,
+]
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "2026-01-05T10:00:00Z",
+        "2026-01-05 10:00:00",
+        "2026-01-05T10:00:00+01:00",
+        "2026-01-05T10:00:00",
+        "noise",
+    ],
+)
+def test_timestamps_read_with_the_samples_layout_equal_every_form_parsing(first: str) -> None:
+    """Ingest parses each batch with the layout its first values have and only the rows
+    that layout fails in every form: a log whose later rows take other forms gets
+    exactly the instants of parsing every row in every form (`parse_timestamp`)."""
+    from journeys.config import load_config
+    from journeys.events import parse_timestamp, read_timestamp
+
+    data = load_config(None, ["data.timezone=Europe/Amsterdam"]).data
+    rng = np.random.default_rng(0)
+    later = rng.choice(np.array(MIXED_FORMS, dtype=object), 3000).tolist()
+    frame = pl.DataFrame({"ts": [first] * 150 + later}, schema={"ts": pl.String})
+    every_form = frame.select(parse_timestamp(pl.col("ts"), pl.String, data)).to_series()
+    read = frame.lazy().select(read_timestamp(pl.col("ts"), pl.String, data))
+    fast = read.collect(engine="streaming").to_series()
+    assert fast.equals(every_form)
+    assert every_form.null_count() < frame.height - 150  # most later forms are read
+    if first != "noise":
+        assert every_form.head(150).null_count() == 0
+
+
 def test_numeric_epoch_column_in_parquet(tmp_path: Path) -> None:
     instant = datetime(2026, 3, 1, 12, 30, 15, 250000, tzinfo=UTC)
     pl.DataFrame(
