@@ -81,7 +81,10 @@ def run_journeys(csv: Path, out: Path, partitions: int) -> dict[str, float]:
     import journeys.ingest as ingest
     from journeys.config import load_config
 
-    config = load_config(CONFIG, [f"ingest.partitions={partitions}", f"paths.raw={csv}"])
+    overrides = [f"ingest.partitions={partitions}", f"paths.raw={csv}"]
+    if csv.stat().st_size < 1024:  # the start-up line's empty log: nothing to require
+        overrides.append("ingest.require_conversions=false")
+    config = load_config(CONFIG, overrides)
     data = config.data
     assert tuple(data.features) == FEATURES and tuple(data.conversion_events) == CONVERSIONS
     assert config.journey.max_gap_delta.total_seconds() * 1e6 == MAX_GAP_US
@@ -121,9 +124,13 @@ FROM (
            TRY_CAST(trim("timestamp") AS TIMESTAMPTZ) AS ts,
            $source AS source_file,
            row_number() OVER () AS row_number
-    FROM read_csv($source, all_varchar = true, header = true)
+    FROM {reader}
 )
 """
+DUCKDB_READERS = {
+    "csv": "read_csv($source, all_varchar = true, header = true)",
+    "parquet": "read_parquet($source)",
+}
 
 DUCKDB_QUARANTINE = """
 COPY (
@@ -244,7 +251,8 @@ def run_duckdb(csv: Path, out: Path) -> dict[str, float]:
         (out / name).mkdir(parents=True)
     phase = PhaseTimer()
 
-    con.execute(DUCKDB_STAGE, {"source": str(csv)})
+    reader = DUCKDB_READERS[csv.suffix.lstrip(".")]
+    con.execute(DUCKDB_STAGE.format(reader=reader), {"source": str(csv)})
     con.execute(DUCKDB_QUARANTINE.format(path=out / "quarantine" / "quarantine.parquet"))
     phase("read, validate, quarantine")
     # Row numbers are assigned; from here on nothing depends on row order, and letting
@@ -276,7 +284,10 @@ def run_pandas(csv: Path, out: Path) -> dict[str, float]:
     phase = PhaseTimer()
 
     # Everything as text; an empty field stays "" (no NA guessing on values like "NA").
-    raw = pd.read_csv(csv, dtype=str, keep_default_na=False, usecols=list(RAW_COLUMNS))
+    if csv.suffix == ".parquet":  # text columns; a missing value reads as "", as in a CSV
+        raw = pd.read_parquet(csv, columns=list(RAW_COLUMNS)).fillna("")
+    else:
+        raw = pd.read_csv(csv, dtype=str, keep_default_na=False, usecols=list(RAW_COLUMNS))
     raw["source_file"] = str(csv)
     raw["row_number"] = np.arange(1, len(raw) + 1, dtype=np.int64)
     ts = pd.to_datetime(
@@ -403,7 +414,8 @@ def _rss_mb(field: str) -> float:
 class Run:
     engine: str  # "journeys", "journeys p=32", "duckdb", "pandas"
     size: int  # nominal size (--sizes)
-    events: int  # rows in the CSV
+    events: int  # rows in the log
+    input: str = "csv"  # or parquet
     wall_s: float | None = None  # the best (lowest) of the repeats
     walls: list[float] = field(default_factory=list)  # every repeat
     cpu_s: float | None = None  # the best repeat's CPU seconds (user + system)
@@ -428,6 +440,24 @@ def ensure_events(size: int) -> tuple[Path, int]:
         )
         subprocess.run([sys.executable, "-c", code, str(folder)], check=True, cwd=ROOT)
     return folder / "events.csv", json.loads(summary.read_text())["n_events"]
+
+
+def ensure_parquet(csv: Path) -> Path:
+    """The same log as Parquet, every column as text (a warehouse export), cached."""
+    import polars as pl
+
+    path = csv.with_suffix(".parquet")
+    if not path.exists():
+        pl.scan_csv(csv, infer_schema=False).sink_parquet(path)
+    return path
+
+
+def empty_log() -> Path:
+    """A log with the header row only: what each engine costs before any row is read."""
+    path = BENCH / "events-0" / "events.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(",".join(RAW_COLUMNS) + "\n")
+    return path
 
 
 def warm_cache(path: Path) -> None:
@@ -486,6 +516,7 @@ def measure(
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["cpu_s"] = cpu
+    result["process_s"] = elapsed  # interpreter start and imports included
     result["background"] = max(0.0, busy - cpu) / (elapsed * (os.cpu_count() or 1))
     return result
 
@@ -580,25 +611,25 @@ def table(runs: list[Run]) -> str:
     (or cpu) > 1 means journeys is faster, memory > 1 means journeys uses less. `peak growth` is the
     engine's peak at this size over its peak at the smallest size measured.
     """
-    base = {r.size: r for r in runs if r.engine == "journeys" and r.wall_s}
-    smallest: dict[str, Run] = {}
+    base = {(r.size, r.input): r for r in runs if r.engine == "journeys" and r.wall_s}
+    smallest: dict[tuple[str, str], Run] = {}
     for r in runs:
-        if r.peak_mb and r.engine not in smallest:
-            smallest[r.engine] = r
+        if r.peak_mb and (r.engine, r.input) not in smallest:
+            smallest[r.engine, r.input] = r
     lines = [
-        "| engine | events | wall s | events/s | cpu s | background | peak MB "
+        "| engine | input | events | wall s | events/s | cpu s | background | peak MB "
         "| time ratio | cpu ratio | memory ratio | peak growth |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         if r.wall_s is None or r.peak_mb is None:
-            lines.append(f"| {r.engine} | {r.events:,} |" + " - |" * 8 + f" {r.note} |")
+            lines.append(f"| {r.engine} | {r.input} | {r.events:,} |" + " - |" * 8 + f" {r.note} |")
             continue
-        ref = base.get(r.size)
-        first = smallest[r.engine]
+        ref = base.get((r.size, r.input))
+        first = smallest[r.engine, r.input]
         growth = "-" if first is r else f"{r.peak_mb / first.peak_mb:.2f}"
         lines.append(
-            f"| {r.engine} | {r.events:,} | {r.wall_s:.1f} | {r.events / r.wall_s:,.0f} "
+            f"| {r.engine} | {r.input} | {r.events:,} | {r.wall_s:.1f} | {r.events / r.wall_s:,.0f} "
             f"| {r.cpu_s or 0:.1f} | {r.background or 0:.0%} | {r.peak_mb:,.0f} "
             f"| {ratio(r.wall_s, ref.wall_s if ref else None)} "
             f"| {ratio(r.cpu_s, ref.cpu_s if ref else None)} "
@@ -609,7 +640,10 @@ def table(runs: list[Run]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 3_000_000, 10_000_000])
+    parser.add_argument(
+        "--inputs", nargs="+", choices=("csv", "parquet"), default=["csv", "parquet"]
+    )
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument(
         "--partitions",
@@ -642,8 +676,20 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [100_000] if args.quick else args.sizes
     runs: list[Run] = []
     checks: list[str] = []
+    startup = {}
+    for engine in args.engines:  # an empty log: interpreter, imports, set-up
+        out = BENCH / "out" / f"{engine}-empty"
+        result = measure(engine, empty_log(), out, args.partitions[0], args.timeout, args.quiet)
+        startup[engine] = result
+        print(f"{engine:>16} empty log: {json.dumps(result)}", flush=True)
+    logs = []
     for size in sizes:
         csv, n_events = ensure_events(size)
+        logs += [
+            (size, n_events, csv if kind == "csv" else ensure_parquet(csv), kind)
+            for kind in args.inputs
+        ]
+    for size, n_events, csv, kind in logs:
         outs: dict[str, Path] = {}
         for engine in args.engines:
             settings = args.partitions if engine == "journeys" else [0]
@@ -651,10 +697,10 @@ def main(argv: list[str] | None = None) -> int:
                 label = engine
                 if engine == "journeys" and partitions != args.partitions[0]:
                     label = f"journeys p={partitions}"
-                out = BENCH / "out" / f"{label.replace(' ', '_').replace('=', '')}-{size}"
-                run = Run(label, size, n_events)
+                out = BENCH / "out" / f"{label.replace(' ', '_').replace('=', '')}-{size}-{kind}"
+                run = Run(label, size, n_events, kind)
                 for _ in range(args.repeat):
-                    print(f"{label:>16} {n_events:>11,} events ...", end=" ", flush=True)
+                    print(f"{label:>16} {n_events:>11,} events ({kind}) ...", end=" ", flush=True)
                     result = measure(engine, csv, out, partitions, args.timeout, args.quiet)
                     if "error" in result:
                         run.note = result["error"]
@@ -677,9 +723,19 @@ def main(argv: list[str] | None = None) -> int:
                     run.counts = summarise(out)
                     outs[label] = out
                 runs.append(run)
-        checks.append(f"{n_events:,} events:")
+        checks.append(f"{n_events:,} events ({kind}):")
         checks.extend(f"  {line}" for line in compare(outs))
 
+    print()
+    print("start-up, an empty log (the child process from start to exit; the job alone):")
+    for engine, result in startup.items():
+        if "error" in result:
+            print(f"  {engine:>16}: {result['error']}")
+        else:
+            print(
+                f"  {engine:>16}: {result['process_s']:.2f} s ({result['wall_s']:.2f} s), "
+                f"{result['cpu_s']:.2f} cpu s, {result['peak_mb']:,.0f} MB"
+            )
     print()
     print(table(runs))
     print()

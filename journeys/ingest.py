@@ -143,6 +143,11 @@ class Staged:
     quarantined: dict[str, int] = field(default_factory=dict)  # reason -> rows
 
 
+# The passes' own files, read back once or twice and deleted: written for speed (lz4), not
+# size (the output's default, zstd).
+SCRATCH_COMPRESSION = "lz4"
+
+
 def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged:
     """Pass 1: read every row once (streaming) into user-hash partitions or quarantine."""
     rows, sources = scan_events(raw or config.paths.raw, config.data)
@@ -150,7 +155,9 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
     key = pl.when(pl.col(REASON).is_null()).then(user_bucket(n)).otherwise(QUARANTINE_BUCKET)
     try:
         rows.with_columns(key.alias(BUCKET)).sink_parquet(
-            pl.PartitionBy(folder, key=BUCKET, include_key=False), mkdir=True
+            pl.PartitionBy(folder, key=BUCKET, include_key=False),
+            mkdir=True,
+            compression=SCRATCH_COMPRESSION,
         )
     except (pl.exceptions.PolarsError, OSError) as err:
         raise InputError(f"cannot read {raw or config.paths.raw}: {first_line(err)}") from None
@@ -193,7 +200,7 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
     clean = clean_events(rows.drop(REASON), config.data)
     conversions = list(config.data.conversion_events)
     built = build_journeys(sort_events(clean.events, config.data.event_columns), config)
-    built.journeys.write_parquet(out)
+    built.journeys.write_parquet(out, compression=SCRATCH_COMPRESSION)
     return PartitionResult(
         path=out,
         rows_valid=clean.rows_valid,
