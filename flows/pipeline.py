@@ -35,6 +35,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from flows import summary as text
@@ -458,7 +459,8 @@ def train_flow(
 # ----------------------------------------------------------------------------- score
 
 
-@task(name="score-part", task_run_name="score-part-{index}")
+# Never cached: the model is not worth hashing, and the output goes to this run's staging.
+@task(name="score-part", task_run_name="score-part-{index}", cache_policy=NO_CACHE)
 def score_part_task(score: ScorePart, part: Path, index: int) -> PartScored:
     """One part file of the journeys, scored into the scores' staging folder."""
     return score(index, part)
