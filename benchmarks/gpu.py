@@ -1,10 +1,15 @@
-"""Training throughput of the transformer on one device: bf16 against fp32, default and large.
+"""Training and scoring throughput of the transformer on one device: bf16 against fp32,
+default and large sizes for training; the product's inference path for scoring.
 
 One prepared script for a single device call: for each model size and precision it runs
 `--steps` optimiser steps on random journeys (after `--warmup` steps), and prints
 journeys/s, tokens/s, achieved TFLOP/s and model FLOPs utilisation (MFU) against the
 device's peak. FLOPs are counted analytically (matmuls only, forward + backward = 3x
 forward), as in the PaLM / nanoGPT MFU estimates.
+
+Scoring: `journeys.inference.run_model` (what `journeys score` runs per chunk: length-grouped
+batches, pooled attention exported to NumPy) on random journeys of 1-64 events with the
+default model, at `score.batch_size` 1024 and 8192.
 
     python benchmarks/gpu.py                         # on a GPU: default and large sizes
     python benchmarks/gpu.py --quick                 # tiny sizes, runs on CPU too
@@ -125,6 +130,43 @@ def measure(size: Size, precision: str, device: torch.device, steps: int, warmup
     }
 
 
+def measure_scoring(device: torch.device, n_journeys: int, batch_size: int) -> dict:
+    """Journeys/s of the product's inference path with the pooled attention exported."""
+    from journeys.data import EncodedJourneys
+    from journeys.inference import run_model
+
+    torch.manual_seed(0)
+    settings = load_config(None, [f"model.time_buckets={TIME_BUCKETS}"]).model
+    config = model_config_from_sizes(settings, VOCAB, FEATURE_VOCABS, 64)
+    model = JourneyTransformer(config).to(device).eval()
+    lengths = torch.randint(1, 65, (n_journeys,))
+    offsets = torch.zeros(n_journeys + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    events = int(offsets[-1])
+    encoded = EncodedJourneys(
+        tokens=torch.randint(2, VOCAB, (events,), dtype=torch.int32),
+        features=torch.stack(
+            [torch.randint(2, v, (events,), dtype=torch.int32) for v in FEATURE_VOCABS]
+        ),
+        time_buckets=torch.randint(1, TIME_BUCKETS, (events,), dtype=torch.int32),
+        offsets=offsets,
+        labels=torch.zeros(n_journeys),
+        journey_ids=None,
+        continuous=torch.randn(config.n_continuous, events) if config.n_continuous else None,
+    )
+    run_model(model, encoded, batch_size, "pooled", device)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    run_model(model, encoded, batch_size, "pooled", device)  # ends with copies to the host
+    seconds = time.perf_counter() - start
+    return {
+        "batch_size": batch_size,
+        "journeys": n_journeys,
+        "journeys_per_s": n_journeys / seconds,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
@@ -157,6 +199,14 @@ def main() -> None:
         fp32, bf16 = (r for r in rows if r["size"] == size.name)
         print(
             f"{size.name}: bf16 / fp32 throughput = {bf16['tokens_per_s'] / fp32['tokens_per_s']:.2f}x"
+        )
+    n_journeys = 2_000 if args.quick else 200_000
+    for batch_size in (1024, 8192):
+        row = measure_scoring(device, n_journeys, batch_size)
+        rows.append({"scoring": True, **row})
+        print(
+            f"scoring, default model, batch {batch_size}: {row['journeys_per_s']:,.0f} "
+            f"journeys/s ({n_journeys:,} journeys, pooled attention exported)"
         )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))

@@ -64,7 +64,7 @@ from journeys.config import Config, redact_uri
 from journeys.errors import InputError, JourneysError
 from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
 from journeys.processes import run_supervised
-from journeys.score import MapParts, PartScored, ScorePart, worker_threads
+from journeys.score import ChunkScored, MapChunks, ScoreChunk, worker_threads
 
 # The library module each stage calls; the code hashed into its cache key is every module
 # that one runs (`library_code`: imports read from the source, so never out of date).
@@ -460,40 +460,40 @@ def train_flow(
 
 
 # Never cached: the model is not worth hashing, and the output goes to this run's staging.
-@task(name="score-part", task_run_name="score-part-{index}", cache_policy=NO_CACHE)
-def score_part_task(score: ScorePart, part: Path, index: int) -> PartScored:
-    """One part file of the journeys, scored into the scores' staging folder."""
-    return score(index, part)
+@task(name="score-chunk", task_run_name="score-chunk-{index}", cache_policy=NO_CACHE)
+def score_chunk_task(score: ScoreChunk, chunk: tuple[int, int], index: int) -> ChunkScored:
+    """One chunk of the journeys, scored into the scores' staging folder."""
+    return score(index, chunk)
 
 
-def parts_as_tasks(settings: Orchestration) -> MapParts:
-    """Scoring as one task per input part file on the configured task runner; on threads
-    and processes each worker gets its share of this machine's cores for PyTorch."""
+def chunks_as_tasks(settings: Orchestration) -> MapChunks:
+    """Scoring as one task per chunk on the configured task runner; on threads and
+    processes each worker gets its share of this machine's cores for PyTorch."""
 
-    def map_parts(score: ScorePart, parts: list[Path]) -> list[PartScored]:
+    def map_chunks(score: ScoreChunk, chunks: list[tuple[int, int]]) -> list[ChunkScored]:
         import torch
 
-        get_run_logger().info("scoring %d part(s)", len(parts))
-        if settings.task_runner != "dask":  # a Dask cluster's workers size their own
-            workers = min(settings.max_workers or len(parts), len(parts))
+        get_run_logger().info("scoring %d chunk(s)", len(chunks))
+        if settings.task_runner != "dask" and chunks:  # a Dask cluster's workers size their own
+            workers = min(settings.max_workers or len(chunks), len(chunks))
             score = dataclasses.replace(score, torch_threads=worker_threads(workers))
         threads = torch.get_num_threads()
         try:
-            return map_as_tasks(score_part_task, settings, ("score", score), ("part", parts))
+            return map_as_tasks(score_chunk_task, settings, ("score", score), ("chunk", chunks))
         finally:
             torch.set_num_threads(threads)  # thread workers set it for the whole process
 
-    return map_parts
+    return map_chunks
 
 
 @task(name="score", cache_key_fn=task_key, persist_result=True, result_serializer="json")
 def score_task(config: Config, key: str, model_uri: str) -> dict[str, Any]:
     """Batch-score every journey (censored ones too) with the pinned champion version,
-    each part file a task of its own."""
+    each chunk a task of its own."""
     from journeys.score import score_command
 
     result = score_command(
-        config, model_uri=model_uri, map_parts=parts_as_tasks(orchestration(config))
+        config, model_uri=model_uri, map_chunks=chunks_as_tasks(orchestration(config))
     )
     write_marker(config.paths.scores, key)
     return {

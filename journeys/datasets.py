@@ -13,7 +13,6 @@ that run before training use it without importing torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from journeys.errors import InputError, first_line
 from journeys.vocab import VOCAB_FILE, Vocabularies
 
 PART_FILE = "part-{:05d}.parquet"
-SCORES_PART_FILE = "part-{part:05d}-{chunk:05d}.parquet"  # by input part, then chunk
 SPLITS = ("train", "val", "test")
 # A feature value that was not recorded, in every table and report: never merged with a
 # real value.
@@ -288,40 +286,39 @@ def count_rows(parts: list[Path]) -> int:
     return total
 
 
-def iter_chunks(
-    parts: list[Path], columns: list[str], chunk_journeys: int
-) -> Iterator[pl.DataFrame]:
-    """Journeys in chunks of `chunk_journeys` rows (the last one smaller), in input order.
-
-    Pull-based on purpose: the next rows are read only when the previous chunk has been
-    used. (Polars' `collect_batches` / `sink_batches` read ahead of a slow consumer and
-    buffered the whole input in a test.) pyarrow streams each file page by page
-    (`buffer_size`, no pre-buffering), so even a huge row group is never decoded at once.
-    Small part files are pooled into full chunks, so length-grouped batching finds
-    journeys of similar length to batch together.
-    """
-    pending: list[pl.DataFrame] = []
-    held = 0
-    for frame in _record_batches(parts, columns, chunk_journeys):
-        pending.append(frame)
-        held += frame.height
-        while held >= chunk_journeys:
-            pooled = pl.concat(pending, how="vertical_relaxed", rechunk=False)
-            yield pooled.slice(0, chunk_journeys)
-            rest = pooled.slice(chunk_journeys)
-            pending, held = ([rest] if rest.height else []), rest.height
-    if held:
-        yield pl.concat(pending, how="vertical_relaxed", rechunk=False)
-
-
-def _record_batches(parts: list[Path], columns: list[str], size: int) -> Iterator[pl.DataFrame]:
+def read_rows(parts: list[Path], columns: list[str], start: int, count: int) -> pl.DataFrame:
+    """Rows `start` to `start + count` of the part files read back to back: one chunk of
+    scoring. Only the row groups that hold them are read, and pyarrow streams those page by
+    page (`buffer_size`, no pre-buffering), so even a huge row group is never decoded at
+    once; rows before `start` in the first one are decoded and dropped batch by batch."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    stop = start + count
+    seen = 0  # rows of the parts before the row group being looked at
+    frames: list[pl.DataFrame] = []
     for path in parts:
+        if seen >= stop:
+            break
         try:
             reader = pq.ParquetFile(path, buffer_size=READ_BUFFER_BYTES, pre_buffer=False)
-            for batch in reader.iter_batches(batch_size=size, columns=columns):
-                yield pl.from_arrow(batch)  # type: ignore[misc]
+            groups, position = [], None  # the row groups to read; the first one's first row
+            for group in range(reader.metadata.num_row_groups):
+                rows = reader.metadata.row_group(group).num_rows
+                if seen + rows > start and seen < stop:
+                    position = seen if position is None else position
+                    groups.append(group)
+                seen += rows
+            if position is None:
+                continue
+            batches = reader.iter_batches(batch_size=count, row_groups=groups, columns=columns)
+            for batch in batches:
+                first, last = max(start - position, 0), min(stop - position, batch.num_rows)
+                if last > first:
+                    frames.append(pl.from_arrow(batch.slice(first, last - first)))  # type: ignore[arg-type]
+                position += batch.num_rows
+                if position >= stop:
+                    break
         except (pa.ArrowException, OSError) as err:
             raise InputError(f"cannot read {path}: {first_line(err)}") from None
+    return pl.concat(frames, how="vertical_relaxed", rechunk=False)

@@ -24,18 +24,21 @@ the *model's* vocabularies: nothing is refitted, and an event type the model nev
 to the unknown token. A model keeps only its last `max_len` events, so the list columns of
 a longer journey are cut to the events the model read and attention stays aligned with them.
 
-Scoring scales out like ingest: each part file of the input (ingest's partitions) is
-scored on its own (`ScorePart`), and the parts are mapped over workers: `journeys score`
-runs `orchestration.max_workers` local threads or processes (`parts_in_pool`), the score
-flow one Prefect task per part on the configured task runner (thread, process, Dask). The
-output is the same whichever runs them: part files named by input part and chunk.
+Scoring scales out like ingest: the input's journeys, its part files read back to back, are
+cut into chunks of `score.chunk_journeys`, and each chunk is scored on its own
+(`ScoreChunk`) and written as its own part file; the chunks are mapped over workers:
+`journeys score` runs `orchestration.max_workers` local threads or processes
+(`chunks_in_pool`), the score flow one Prefect task per chunk on the configured task
+runner (thread, process, Dask). Chunks depend on the data alone, so the output is the same
+file for file whichever runs them. (Chunks, not ingest's partitions: small partitions
+would make small chunks, and a length-sorted chunk of 8k journeys pads its batches so much
+more than one of 50k that scoring took 1.5x as long.)
 
-Memory stays bounded however large the input: a worker reads its part in chunks of
-`score.chunk_journeys` journeys, one at a time; each chunk is scored in forward
-passes of `score.batch_size` (grouped by length, so little compute goes to padding),
-written as its own part file into a staging folder, and freed before the next one (peak:
-about one chunk per worker). The staging folder is swapped in atomically when all are
-done: readers never see half.
+Memory stays bounded however large the input: a worker holds one chunk at a time, scores
+it in forward passes of `score.batch_size` (grouped by length, so little compute goes to
+padding), writes it into a staging folder and frees it (peak: about one chunk per
+worker). The staging folder is swapped in atomically when all are done: readers never see
+half.
 
 When the configured MLflow store exists (a server, or a SQLite file that is already there)
 the scoring run is logged to it (params `model_uri`, `rows`, ...); scoring never creates a
@@ -65,13 +68,12 @@ from journeys.datasets import (
     OPTIONAL_COLUMNS,
     PART_FILE,
     REPORT_FILE,
-    SCORES_PART_FILE,
     UTC_US,
     count_rows,
     input_schema,
     is_journeys_dataset,
-    iter_chunks,
     parquet_parts,
+    read_rows,
     require_input,
     scores_metadata,
     scores_schema,
@@ -247,9 +249,9 @@ class ScoreResult:
 
 
 @dataclass(frozen=True)
-class PartScored:
-    """What `ScorePart` did with one part file: journeys read, rows written (the others
-    had not started by `as_of`), and how many of those are open."""
+class ChunkScored:
+    """What `ScoreChunk` did with one chunk: journeys read, rows written (the others had
+    not started by `as_of`), and how many of those are open."""
 
     journeys: int
     rows: int
@@ -257,14 +259,15 @@ class PartScored:
 
 
 @dataclass(frozen=True)
-class ScorePart:
-    """Scores one part file of a journeys folder, chunk by chunk, into `staging` as
-    `part-<part>-<chunk>.parquet`: the unit `score_dataset` maps over the configured
+class ScoreChunk:
+    """Scores one chunk of the input, `(first row, rows)` of its part files read back to
+    back, into `staging` as `part-<index>.parquet`: the unit `score_dataset` maps over the
     workers. A plain picklable object, like ingest's `BuildPartition`, so a task runner
-    can ship it to worker threads, processes or a Dask cluster (whose workers must see
-    `staging`). `torch_threads`, when set, is the intra-op thread count of the worker."""
+    can ship it to worker threads, processes or a Dask cluster (whose workers must see the
+    input and `staging`). `torch_threads`, when set, is the worker's PyTorch thread count."""
 
     loaded: LoadedModel
+    parts: list[Path]
     staging: Path
     columns: list[str]
     schema: pl.Schema
@@ -273,10 +276,9 @@ class ScorePart:
     parquet_metadata: dict[str, str]
     attention: AttentionMode | None = "pooled"
     batch_size: int = 1024
-    chunk_journeys: int = 50_000
     torch_threads: int | None = None
 
-    def __call__(self, index: int, part: Path) -> PartScored:
+    def __call__(self, index: int, chunk: tuple[int, int]) -> ChunkScored:
         import torch
 
         from journeys.inference import pick_device
@@ -285,39 +287,32 @@ class ScorePart:
             torch.set_num_threads(self.torch_threads)
         loaded, device = self.loaded, pick_device()
         loaded.model.to(device)
-        constants = [
+        read = read_rows(self.parts, self.columns, *chunk)
+        frame = mark_open(
+            cut_at(read, self.as_of, loaded.event_columns), self.as_of, loaded.max_gap
+        )
+        scored = score_frame(
+            loaded, frame, attention=self.attention, batch_size=self.batch_size, device=device
+        ).with_columns(frame.select("open", "quiet_seconds"))
+        if loaded.quiet_survival is not None:
+            scored = in_flight_probability(scored, loaded.quiet_survival)
+        scored = scored.with_columns(
             pl.lit(self.as_of, UTC_US).alias("as_of"),
             pl.lit(loaded.model_uri, pl.String).alias("model_uri"),
             pl.lit(loaded.model_version, pl.String).alias("model_version"),
             pl.lit(self.scored_at, UTC_US).alias("scored_at"),
-        ]
-        survival = loaded.quiet_survival
-        read = written = n_open = 0
-        for chunk_index, frame in enumerate(iter_chunks([part], self.columns, self.chunk_journeys)):
-            chunk = mark_open(
-                cut_at(frame, self.as_of, loaded.event_columns), self.as_of, loaded.max_gap
-            )
-            scored = score_frame(
-                loaded, chunk, attention=self.attention, batch_size=self.batch_size, device=device
-            ).with_columns(chunk.select("open", "quiet_seconds"))
-            if survival is not None:
-                scored = in_flight_probability(scored, survival)
-            scored = scored.with_columns(constants)
-            scored = scored.select(pl.col(name).cast(dtype) for name, dtype in self.schema.items())
-            name = SCORES_PART_FILE.format(part=index, chunk=chunk_index)
-            scored.write_parquet(self.staging / name, metadata=self.parquet_metadata)
-            read += frame.height
-            written += scored.height
-            n_open += int(scored.get_column("open").sum())
-            del scored, chunk, frame
-            release_freed_memory()
-        return PartScored(read, written, n_open)
+        ).select(pl.col(name).cast(dtype) for name, dtype in self.schema.items())
+        scored.write_parquet(self.staging / PART_FILE.format(index), metadata=self.parquet_metadata)
+        done = ChunkScored(read.height, scored.height, int(scored.get_column("open").sum()))
+        del scored, frame, read
+        release_freed_memory()
+        return done
 
 
-# Runs `ScorePart` over the input's part files (score(index, part)), results in their
-# order: `map_in_order` in this process by default; `parts_in_pool` for the CLI; the
-# score flow maps them as Prefect tasks on the configured task runner.
-MapParts = Callable[[ScorePart, list[Path]], list[PartScored]]
+# Runs `ScoreChunk` over the chunks (score(index, chunk)), results in their order:
+# in this process by default; `chunks_in_pool` for the CLI; the score flow maps them as
+# Prefect tasks on the configured task runner.
+MapChunks = Callable[[ScoreChunk, list[tuple[int, int]]], list[ChunkScored]]
 
 
 def score_dataset(
@@ -331,14 +326,14 @@ def score_dataset(
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
     as_of: datetime | None = None,
-    map_parts: MapParts | None = None,
+    map_chunks: MapChunks | None = None,
 ) -> Scored:
     """Score every journey of a journeys folder, as it stood at `as_of` (default: the end
     of the data), into Parquet parts under `out` (atomic).
 
-    Each input part file is scored on its own (`ScorePart`); `map_parts` spreads them over
-    workers (default: one after the other, here, with a progress bar). The output is the
-    same whichever map runs them: part files named by input part and chunk, in input order.
+    The input is cut into chunks of `chunk_journeys`, each scored on its own
+    (`ScoreChunk`); `map_chunks` spreads them over workers (default: one after the other,
+    here, with a progress bar). The output is the same whichever map runs them.
     Rows are the input's journeys less those that had not started by `as_of`.
     `attention=None` skips the attention export (for benchmarks; the product always
     exports it). An empty input gives one empty part file with the full schema.
@@ -362,20 +357,24 @@ def score_dataset(
     metadata = dict(metadata or {})
     scored_at = datetime.fromisoformat(metadata.get("scored_at") or _now()).astimezone(UTC)
 
+    total = count_rows(parts)
+    chunks = [
+        (first, min(chunk_journeys, total - first)) for first in range(0, total, chunk_journeys)
+    ]
     with atomic_dir(out) as staging:
-        score = ScorePart(
-            loaded, staging, columns, schema, as_of, scored_at, scores_metadata(metadata),
-            attention, batch_size, chunk_journeys,
+        score = ScoreChunk(
+            loaded, parts, staging, columns, schema, as_of, scored_at,
+            scores_metadata(metadata), attention, batch_size,
         )  # fmt: skip
-        if map_parts is None:
-            with _progress(count_rows(parts), progress) as advance:
+        if map_chunks is None:
+            with _progress(total, progress) as advance:
                 results = []
-                for index, part in enumerate(parts):
-                    results.append(score(index, part))
+                for index, chunk in enumerate(chunks):
+                    results.append(score(index, chunk))
                     advance(results[-1].journeys)
         else:
-            results = map_parts(score, parts)
-        if not any(result.rows for result in results) and not parquet_parts(staging):
+            results = map_chunks(score, chunks)
+        if not chunks:
             # no rows at all: still a readable file with every column
             pl.DataFrame(schema=schema).write_parquet(
                 staging / PART_FILE.format(0), metadata=score.parquet_metadata
@@ -388,7 +387,7 @@ def score_dataset(
     )
 
 
-def parts_in_pool(task_runner: str, workers: int | None) -> MapParts | None:
+def chunks_in_pool(task_runner: str, workers: int | None) -> MapChunks | None:
     """The CLI's map for `orchestration.task_runner` and `max_workers` (None: one per CPU
     core): a local pool of threads (`thread`) or processes (`process`, `dask`: a Dask
     cluster is the score flow's), each worker with its share of the cores for PyTorch.
@@ -397,13 +396,15 @@ def parts_in_pool(task_runner: str, workers: int | None) -> MapParts | None:
     if workers <= 1:
         return None
 
-    def map_parts(score: ScorePart, parts: list[Path]) -> list[PartScored]:
+    def map_chunks(score: ScoreChunk, chunks: list[tuple[int, int]]) -> list[ChunkScored]:
         import multiprocessing
         from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
         import torch
 
-        n = min(workers, len(parts))
+        if len(chunks) <= 1:  # nothing to spread: no pool to start
+            return [score(index, chunk) for index, chunk in enumerate(chunks)]
+        n = min(workers, len(chunks))
         score = dataclasses.replace(score, torch_threads=worker_threads(n))
         pool: Executor
         if task_runner == "thread":
@@ -413,11 +414,11 @@ def parts_in_pool(task_runner: str, workers: int | None) -> MapParts | None:
         threads = torch.get_num_threads()
         try:
             with pool:
-                return list(pool.map(score, range(len(parts)), parts))
+                return list(pool.map(score, range(len(chunks)), chunks))
         finally:
             torch.set_num_threads(threads)  # thread workers set it for the whole process
 
-    return map_parts
+    return map_chunks
 
 
 def worker_threads(workers: int) -> int:
@@ -480,7 +481,7 @@ def score_input(
     metadata: dict[str, Any] | None = None,
     progress: bool = True,
     as_of: datetime | None = None,
-    map_parts: MapParts | None = None,
+    map_chunks: MapChunks | None = None,
 ) -> tuple[Scored, dict[str, Any] | None]:
     """Score a journeys folder, or ingest a raw log with the model's settings and score it,
     as the journeys stood at `as_of` (default: the end of the data).
@@ -499,7 +500,7 @@ def score_input(
         metadata=metadata,
         progress=progress,
         as_of=as_of,
-        map_parts=map_parts,
+        map_chunks=map_chunks,
     )
     if is_journeys_dataset(source):
         return score_dataset(loaded, source, out, **settings), None
@@ -547,13 +548,13 @@ def score_command(
     input_path: str | Path | None = None,
     out: str | Path | None = None,
     as_of: str | datetime | None = None,
-    map_parts: MapParts | None = None,
+    map_chunks: MapChunks | None = None,
 ) -> ScoreResult:
     """`journeys score`: load the model, score, log the scoring run to MLflow.
 
     Defaults: model `models:/<mlflow.registered_model>@champion`, input `paths.journeys`,
     output `paths.scores`, `as_of` the end of the data, the input's part files spread over
-    `orchestration.max_workers` local threads or processes (`parts_in_pool`). A missing model or alias, an
+    `orchestration.max_workers` local threads or processes (`chunks_in_pool`). A missing model or alias, an
     unreadable input, a bad `as_of` or columns that do not match the configuration raise
     `InputError` (the CLI prints one line, exit 2).
     """
@@ -592,7 +593,7 @@ def score_command(
         settings = config.orchestration
         scored, report = score_input(
             loaded, config, source, out, attention=attention, metadata=metadata, as_of=moment,
-            map_parts=map_parts or parts_in_pool(settings.task_runner, settings.max_workers),
+            map_chunks=map_chunks or chunks_in_pool(settings.task_runner, settings.max_workers),
         )  # fmt: skip
     except BaseException:
         if run:

@@ -377,12 +377,12 @@ def test_partitioned_ingest_gives_the_same_journeys(tmp_path: Path) -> None:
 def test_scoring_mapped_as_tasks_on_threads_or_processes_matches_scoring_in_order(
     tmp_path: Path,
 ) -> None:
-    """The score flow's map (`parts_as_tasks`): one Prefect task per part file, on the
+    """The score flow's map (`chunks_as_tasks`): one Prefect task per chunk, on the
     thread and the process runner, writes byte for byte what scoring in order writes."""
     from prefect import flow
     from test_score import journeys_folder, save_tiny_model, split_into_parts
 
-    from flows.pipeline import parts_as_tasks
+    from flows.pipeline import chunks_as_tasks
     from flows.settings import Orchestration
     from journeys.packaging import load_model
     from journeys.score import score_dataset
@@ -398,14 +398,14 @@ def test_scoring_mapped_as_tasks_on_threads_or_processes_matches_scoring_in_orde
         settings_ = Orchestration(task_runner=runner, max_workers=2, retry_delay_s=0)
         out = tmp_path / runner
         return score_dataset(
-            loaded, journeys, out, map_parts=parts_as_tasks(settings_), **settings
+            loaded, journeys, out, map_chunks=chunks_as_tasks(settings_), **settings
         ).rows
 
     with isolated(tmp_path):
         assert score_dataset(loaded, journeys, tmp_path / "in-order", **settings).rows == 120
         assert score_on("thread") == score_on("process") == 120
     files = sorted(p.name for p in (tmp_path / "in-order").iterdir())
-    assert len(files) == 4 * 2  # 4 parts of ~30 journeys, chunks of 20
+    assert len(files) == 6  # 120 journeys in chunks of 20
     for runner in ("thread", "process"):
         assert sorted(p.name for p in (tmp_path / runner).iterdir()) == files
         for file in files:

@@ -435,13 +435,14 @@ def split_into_parts(journeys: Path, folder: Path, n_parts: int) -> Path:
     return folder
 
 
-def test_scores_are_identical_from_one_or_four_parts_in_order_on_threads_or_processes(
+def test_scores_are_identical_in_order_on_threads_or_processes_and_from_any_parts(
     setup: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Each input part is scored on its own (`ScorePart`) and mapped over workers: on a
-    pool of threads or of spawned processes the output files are byte for byte those of
-    scoring in order, and four parts give the rows one part gives."""
-    from journeys.score import parts_in_pool, score_dataset
+    """The input is cut into chunks that depend on the data alone, each scored on its own
+    (`ScoreChunk`) and mapped over workers: on a pool of threads or of spawned processes
+    the output files are byte for byte those of scoring in order; the same journeys in
+    four part files give the same rows to float precision (other batch neighbours)."""
+    from journeys.score import chunks_in_pool, score_dataset
 
     journeys, model = setup
     four = split_into_parts(journeys, tmp_path / "four", 4)
@@ -449,18 +450,18 @@ def test_scores_are_identical_from_one_or_four_parts_in_order_on_threads_or_proc
     scored_at = {"scored_at": "2026-03-01T00:00:00+00:00"}  # one run's moment for all
     settings = dict(chunk_journeys=40, batch_size=16, progress=False, metadata=scored_at)
     outputs = {}
-    for name, folder, map_parts in (
+    for name, folder, map_chunks in (
         ("one part", journeys, None),
         ("in order", four, None),
-        ("threads", four, parts_in_pool("thread", 2)),
-        ("processes", four, parts_in_pool("process", 2)),
+        ("threads", four, chunks_in_pool("thread", 2)),
+        ("processes", four, chunks_in_pool("process", 2)),
     ):
         out = tmp_path / name.replace(" ", "-")
-        scored = score_dataset(loaded, folder, out, map_parts=map_parts, **settings)
+        scored = score_dataset(loaded, folder, out, map_chunks=map_chunks, **settings)
         assert scored.rows == scored.journeys == 240
         outputs[name] = out
     files = sorted(p.name for p in outputs["in order"].iterdir())
-    assert len(files) > 4  # several chunks of several parts
+    assert files == [f"part-{i:05d}.parquet" for i in range(6)]  # 240 journeys, chunks of 40
     for name in ("threads", "processes"):
         assert sorted(p.name for p in outputs[name].iterdir()) == files
         for file in files:
@@ -473,10 +474,24 @@ def test_scores_are_identical_from_one_or_four_parts_in_order_on_threads_or_proc
     assert one.drop("conversion_probability", "attention").equals(
         four_parts.drop("conversion_probability", "attention")
     )
-    # Other batch neighbours, other padding: equal to float precision.
     np.testing.assert_allclose(
         one["conversion_probability"], four_parts["conversion_probability"], rtol=1e-5
     )
     np.testing.assert_allclose(
         one["attention"].explode(), four_parts["attention"].explode(), atol=1e-6
     )
+
+
+def test_a_chunk_is_read_from_the_row_groups_that_hold_it(tmp_path: Path) -> None:
+    """`read_rows` gives rows `start` to `start + count` of the parts read back to back,
+    across part files and row groups, whatever row group it starts in."""
+    from journeys.datasets import read_rows
+
+    frame = pl.DataFrame({"journey_id": [f"j{i}" for i in range(100)], "n": range(100)})
+    parts = []
+    for index, (low, high) in enumerate(((0, 30), (30, 30), (30, 100))):  # one file empty
+        parts.append(tmp_path / f"part-{index:05d}.parquet")
+        frame.slice(low, high - low).write_parquet(parts[-1], row_group_size=7)
+    for start, count in ((0, 100), (0, 10), (25, 10), (29, 2), (64, 36), (99, 1)):
+        got = read_rows(parts, ["n"], start, count)
+        assert got["n"].to_list() == list(range(start, start + count)), (start, count)
