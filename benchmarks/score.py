@@ -38,6 +38,7 @@ benchmarks/RESULTS.md unless `--no-record`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -179,8 +180,13 @@ def child(spec: dict) -> dict:
                 wall["bare"].append(bare_loop(loaded.model, batches))
             result |= {"rows": rows, "wall": wall}
         elif spec["task"] == "workers":
+
+            def one_thread(score, chunks):  # in order, one PyTorch thread
+                single = dataclasses.replace(score, torch_threads=1)
+                return [single(index, chunk) for index, chunk in enumerate(chunks)]
+
             pools = {
-                "1 worker": None,
+                "1 worker": one_thread,
                 "2 threads": journeys.score.chunks_in_pool("thread", 2),
                 "2 processes": journeys.score.chunks_in_pool("process", 2),
             }
@@ -188,8 +194,7 @@ def child(spec: dict) -> dict:
             wall = {mode: [] for mode in WORKER_MODES}
             for _ in range(spec["repeats"]):
                 for mode in WORKER_MODES:
-                    # One worker gets one PyTorch thread, as each of two does on 2 cores.
-                    torch.set_num_threads(cores if mode.endswith("all cores") else 1)
+                    torch.set_num_threads(cores)  # workers set their own share
                     began = time.perf_counter()
                     rows = score_dataset(
                         loaded, spec["journeys"], out / "scores", attention="pooled",

@@ -115,7 +115,10 @@ def cut_at(frame: pl.DataFrame, as_of: datetime, event_lists: list[str]) -> pl.D
     Event times are sorted, as ingest writes them. A journey longer than
     `journey.max_events` keeps only its latest events, so one whose kept events all come
     after `as_of` is dropped too."""
-    seen = pl.col("event_time").list.eval(pl.element() <= as_of).list.sum()
+    times = pl.col("event_time")
+    if frame.select(((times.list.last() <= as_of) & (times.list.len() > 0)).all()).item():
+        return frame  # every event by then (the default: the data's end): nothing to cut
+    seen = times.list.eval(pl.element() <= as_of).list.sum()
     later = pl.col("event_time").list.len() - pl.col(SEEN)
     updates = [
         pl.col(name).list.head(pl.col(SEEN)) for name in ("event_type", "event_time", *event_lists)

@@ -283,9 +283,9 @@ class ScoreChunk:
 
         from journeys.inference import pick_device
 
-        if self.torch_threads:
+        loaded, device = self.loaded, pick_device()  # on CPU: every core, unless ...
+        if self.torch_threads:  # ... the worker's share of them
             torch.set_num_threads(self.torch_threads)
-        loaded, device = self.loaded, pick_device()
         loaded.model.to(device)
         read = read_rows(self.parts, self.columns, *chunk)
         frame = mark_open(
