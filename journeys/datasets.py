@@ -34,6 +34,7 @@ METADATA_KEY = "journeys.scoring"  # the scores' Parquet key-value metadata
 # intervals are wide: at 30 positives a ROC AUC of 0.8 is known to about +-0.08).
 MIN_EVALUATION_CONVERSIONS = 30
 READ_BUFFER_BYTES = 1 << 20  # Parquet pages are streamed through a buffer of this size
+READ_BATCH_ROWS = 8_192  # rows pyarrow decodes at a time when reading a chunk
 
 # What training needs of a journeys dataset (features come from the configuration).
 TRAINING_COLUMNS = ("journey_id", "label", "censored", "split", "event_type", "event_time")
@@ -311,7 +312,9 @@ def read_rows(parts: list[Path], columns: list[str], start: int, count: int) -> 
                 seen += rows
             if position is None:
                 continue
-            batches = reader.iter_batches(batch_size=count, row_groups=groups, columns=columns)
+            # Small batches: the rows before `start` are decoded one batch at a time.
+            size = min(count, READ_BATCH_ROWS)
+            batches = reader.iter_batches(batch_size=size, row_groups=groups, columns=columns)
             for batch in batches:
                 first, last = max(start - position, 0), min(stop - position, batch.num_rows)
                 if last > first:
