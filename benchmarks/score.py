@@ -137,7 +137,7 @@ def child(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
         # The product uses every core; this child measures the work of one.
-        journeys.inference.pick_device = lambda: torch.device("cpu")
+        journeys.inference.pick_device = lambda threads=None: torch.device("cpu")
     loaded = load_model(spec["model"], tracking_uri=spec.get("tracking_uri"))
     baseline = peak_mb()  # imports + model: the floor every size shares
     settings = dict(batch_size=spec["batch_size"], chunk_journeys=spec["chunk"], progress=False)

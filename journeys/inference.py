@@ -24,15 +24,17 @@ IG_STEPS = 32  # Riemann steps along the integrated-gradients path (midpoint rul
 IG_BATCH_JOURNEYS = 32  # journeys per IG pass (each expands to IG_STEPS rows)
 
 
-def pick_device() -> torch.device:
-    """The GPU when there is one; on CPU, use every core this process may run on."""
+def pick_device(threads: int | None = None) -> torch.device:
+    """The GPU when there is one; on CPU, use `threads` PyTorch threads (default: every
+    core this process may run on)."""
     if torch.cuda.is_available():
         return torch.device("cuda")
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores))
+    if threads is None:
+        try:
+            threads = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            threads = os.cpu_count() or 1
+    torch.set_num_threads(max(1, threads))
     return torch.device("cpu")
 
 

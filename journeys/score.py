@@ -279,13 +279,10 @@ class ScoreChunk:
     torch_threads: int | None = None
 
     def __call__(self, index: int, chunk: tuple[int, int]) -> ChunkScored:
-        import torch
-
         from journeys.inference import pick_device
 
-        loaded, device = self.loaded, pick_device()  # on CPU: every core, unless ...
-        if self.torch_threads:  # ... the worker's share of them
-            torch.set_num_threads(self.torch_threads)
+        # Never every core first: a thread worker would run its neighbour on them too.
+        loaded, device = self.loaded, pick_device(self.torch_threads)
         loaded.model.to(device)
         read = read_rows(self.parts, self.columns, *chunk)
         frame = mark_open(
