@@ -12,6 +12,7 @@ import glob
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 from zoneinfo import ZoneInfo
 
 import polars as pl
@@ -49,6 +50,7 @@ _FAST_FORMATS = (
     ("%Y-%m-%dT%H:%M:%S%.f", None),
 )
 _SAMPLE = 100
+ExprOrSeries = TypeVar("ExprOrSeries", pl.Expr, pl.Series)
 _EPOCH_PER_US = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
 # With timestamp_unit auto, an epoch number's magnitude tells its unit: today is about
 # 1.8e9 s, 1.8e12 ms, 1.8e15 us, 1.8e18 ns, and the bounds below sit between them
@@ -165,8 +167,7 @@ def parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
         iso.str.to_datetime(_ISO_NAIVE, strict=False, time_unit="us"),
         iso.str.to_datetime(_ISO_DATE, strict=False, time_unit="us"),
     )
-    local = naive.dt.replace_time_zone(data.timezone, ambiguous="earliest", non_existent="null")
-    parsed = pl.coalesce(with_offset, local.dt.convert_time_zone("UTC"))
+    parsed = pl.coalesce(with_offset, local_to_utc(naive, data.timezone))
     if data.timestamp_unit is not None:
         epoch = _from_epoch(text.cast(pl.Float64, strict=False), data.timestamp_unit)
         parsed = pl.coalesce(epoch, parsed)
@@ -207,9 +208,15 @@ def _fast_parse(text: pl.Series, timezone: str) -> pl.Series | None:
         if zone is not None:
             return text.str.to_datetime(layout, strict=False, time_zone=zone, time_unit="us")
         naive = text.str.to_datetime(layout, strict=False, time_unit="us")
-        local = naive.dt.replace_time_zone(timezone, ambiguous="earliest", non_existent="null")
-        return local.dt.convert_time_zone("UTC").cast(UTC_US)
+        return local_to_utc(naive, timezone).cast(UTC_US)
     return None
+
+
+def local_to_utc(naive: ExprOrSeries, timezone: str) -> ExprOrSeries:
+    """Naive local times read in `timezone`, to UTC: a time that happens twice (clocks going
+    back) is the earlier; one that never happens (clocks going forward) is null."""
+    local = naive.dt.replace_time_zone(timezone, ambiguous="earliest", non_existent="null")
+    return local.dt.convert_time_zone("UTC")
 
 
 def _from_epoch(value: pl.Expr, unit: str) -> pl.Expr:
