@@ -383,3 +383,42 @@ def test_time_encodings_read_gaps_durations_and_local_time(frame: pl.DataFrame) 
     assert (batch.continuous[0, :, 1] == 0).all()  # j2's padded slot
     kept = encode_journeys(frame, VOCABS, 32, max_len=2, continuous=ContinuousInputs("UTC"))
     assert kept.continuous[1, 0] == 0.0  # since the first KEPT event, like the gaps
+
+
+@pytest.mark.parametrize("max_len", [None, 2])
+def test_gaps_and_durations_restart_at_every_journey(max_len: int | None) -> None:
+    """Encoding takes gaps and time since the start on the flat events; each journey's
+    first kept event must still get gap 0 and its own start, as the per-list reference
+    (`gap_seconds_expr`) gives, however long the previous journey ran."""
+    import math
+
+    from journeys.data import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
+    from journeys.data import gap_seconds_expr as per_list_gaps
+
+    starts = [0, 10, 5_000, 3, 86_400]  # later journeys start before earlier ones end too
+    rows = [
+        journey(f"j{k}", [("view", s + 7.5 * i * (k + 1), "search", "mobile") for i in range(k + 1)], 0, "train")
+        for k, s in enumerate(starts)
+    ]  # fmt: skip
+    frame = pl.DataFrame(rows, schema=SCHEMA)
+    times = pl.col("event_time").list.tail(max_len) if max_len else pl.col("event_time")
+    reference = frame.select(
+        per_list_gaps(times).alias("gap"),
+        times.list.eval(
+            (pl.element() - pl.element().first()).dt.total_seconds(fractional=True)
+        ).alias("since"),
+    )
+    gaps = reference.get_column("gap").explode().to_list()
+    since = reference.get_column("since").explode().to_list()
+    assert gaps.count(0.0) == len(starts)  # one first event per journey
+
+    encoded = encode_journeys(frame, VOCABS, 32, max_len, ContinuousInputs("UTC"))
+    values = dict(zip(TIME_ENCODINGS, encoded.continuous.tolist(), strict=True))
+    assert values["log_gap"] == pytest.approx(
+        [math.log1p(g) / LOG_SECONDS_SCALE for g in gaps], abs=1e-6
+    )
+    assert values["log_since_start"] == pytest.approx(
+        [math.log1p(s) / LOG_SECONDS_SCALE for s in since], abs=1e-6
+    )
+    expected_buckets = pl.select(time_bucket_expr(pl.Series(gaps), 32)).to_series().to_list()
+    assert encoded.time_buckets.tolist() == expected_buckets
