@@ -16,7 +16,7 @@ bare PyTorch loop, on 1 and 2 workers, and peak memory at 1x and 10x the input s
   with the product's end-to-end run, best wall time of each. Target: >= 0.8x.
 - Workers: the 10x input's chunks on 2 workers (`chunks_in_pool`: threads, and spawned
   processes whose start-up counts) against 1 worker, each worker with one PyTorch
-  thread (`worker_threads`), best wall time of each; and against 1 worker with every
+  thread (`shared_cores`), best wall time of each; and against 1 worker with every
   core, the default before scoring was mapped. Target: 2 workers >= 1.6x one.
 - Memory: each size runs in its own fresh child process; its peak RSS (VmHWM) after one
   full scoring run is compared with the peak after imports and model loading.

@@ -21,7 +21,6 @@ from __future__ import annotations
 from flows import _env  # noqa: F401  # isort: skip  (environment defaults before Prefect)
 
 import contextlib
-import dataclasses
 import logging
 import os
 import re
@@ -64,7 +63,7 @@ from journeys.config import Config, redact_uri
 from journeys.errors import InputError, JourneysError
 from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
 from journeys.processes import run_supervised
-from journeys.score import ChunkScored, MapChunks, ScoreChunk, worker_threads
+from journeys.score import ChunkScored, MapChunks, ScoreChunk, shared_cores
 
 # The library module each stage calls; the code hashed into its cache key is every module
 # that one runs (`library_code`: imports read from the source, so never out of date).
@@ -471,17 +470,12 @@ def chunks_as_tasks(settings: Orchestration) -> MapChunks:
     processes each worker gets its share of this machine's cores for PyTorch."""
 
     def map_chunks(score: ScoreChunk, chunks: list[tuple[int, int]]) -> list[ChunkScored]:
-        import torch
-
         get_run_logger().info("scoring %d chunk(s)", len(chunks))
-        if settings.task_runner != "dask" and chunks:  # a Dask cluster's workers size their own
-            workers = min(settings.max_workers or len(chunks), len(chunks))
-            score = dataclasses.replace(score, torch_threads=worker_threads(workers))
-        threads = torch.get_num_threads()
-        try:
-            return map_as_tasks(score_chunk_task, settings, ("score", score), ("chunk", chunks))
-        finally:
-            torch.set_num_threads(threads)  # thread workers set it for the whole process
+        workers = min(settings.max_workers or len(chunks), len(chunks)) or None
+        if settings.task_runner == "dask":  # a Dask cluster's workers size their own
+            workers = None
+        with shared_cores(score, workers) as shared:
+            return map_as_tasks(score_chunk_task, settings, ("score", shared), ("chunk", chunks))
 
     return map_chunks
 

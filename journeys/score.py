@@ -397,30 +397,36 @@ def chunks_in_pool(task_runner: str, workers: int | None) -> MapChunks | None:
         import multiprocessing
         from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
-        import torch
-
         if len(chunks) <= 1:  # nothing to spread: no pool to start
             return [score(index, chunk) for index, chunk in enumerate(chunks)]
         n = min(workers, len(chunks))
-        score = dataclasses.replace(score, torch_threads=worker_threads(n))
         pool: Executor
         if task_runner == "thread":
             pool = ThreadPoolExecutor(n)
         else:  # spawned: a forked PyTorch may deadlock
             pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"))
-        threads = torch.get_num_threads()
-        try:
-            with pool:
-                return list(pool.map(score, range(len(chunks)), chunks))
-        finally:
-            torch.set_num_threads(threads)  # thread workers set it for the whole process
+        with shared_cores(score, n) as shared, pool:
+            return list(pool.map(shared, range(len(chunks)), chunks))
 
     return map_chunks
 
 
-def worker_threads(workers: int) -> int:
-    """PyTorch intra-op threads for each of `workers` workers on this machine's cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
+@contextlib.contextmanager
+def shared_cores(score: ScoreChunk, workers: int | None) -> Iterator[ScoreChunk]:
+    """`score` for one of `workers` workers on this machine, each with its share of the
+    cores for PyTorch (None: as it is; a Dask worker sizes its own). PyTorch's thread count
+    is restored afterwards: thread workers set it for the whole process."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        if workers is None:
+            yield score
+        else:
+            share = max(1, (os.cpu_count() or 1) // max(1, workers))
+            yield dataclasses.replace(score, torch_threads=share)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def data_end(folder: Path, parts: list[Path]) -> datetime:
