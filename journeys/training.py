@@ -372,6 +372,15 @@ def weight_averaging(settings: Train) -> list[Callback]:
     return [WeightAveraging(avg_fn=partial(ema_update, decay=settings.ema_decay))]
 
 
+class ValidateLastEpoch(Callback):
+    """With `check_val_every_n_epoch` > 1 Lightning validates only on its multiples; this
+    also validates the last epoch, so the final weights can always be the checkpoint."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.max_epochs is not None and trainer.current_epoch == trainer.max_epochs - 1:
+            trainer.check_val_every_n_epoch = 1
+
+
 def global_rank() -> int:
     """This process's rank, known before the Trainer starts (env set by the launcher)."""
     return int(rank_zero_only.rank)
@@ -416,7 +425,13 @@ def build_trainer(
     early_stopping = EarlyStopping(
         monitor=monitor, mode="max", patience=settings.patience, check_finite=False, strict=False
     )
-    callbacks: list[Callback] = [checkpoint, last, early_stopping, *weight_averaging(settings)]
+    callbacks: list[Callback] = [
+        checkpoint,
+        last,
+        early_stopping,
+        ValidateLastEpoch(),
+        *weight_averaging(settings),
+    ]
     trainer = L.Trainer(
         accelerator=settings.accelerator,
         devices=settings.devices,
@@ -424,6 +439,7 @@ def build_trainer(
         strategy=settings.strategy,
         precision=settings.precision,
         max_epochs=settings.max_epochs,
+        check_val_every_n_epoch=settings.val_every_epochs,
         gradient_clip_val=settings.grad_clip or None,
         logger=logger,
         callbacks=callbacks,

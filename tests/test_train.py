@@ -252,6 +252,29 @@ def test_last_checkpoint_is_the_latest_epoch_not_the_best(
     assert last["epoch"] == 2  # what `--resume` continues from
 
 
+def test_validation_every_n_epochs_still_validates_the_last(
+    tmp_path: Path, mlflow_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from journeys import train
+
+    make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
+    config = tiny_config(
+        tmp_path, mlflow_env, "train.max_epochs=5", "train.val_every_epochs=2", "train.baselines=[]"
+    )
+    validated: list[int] = []
+
+    def rising_auc(self, batch, batch_idx) -> None:  # the best epoch is always the latest
+        if not self.trainer.sanity_checking:
+            validated.append(self.current_epoch)
+        self.log("val_roc_auc", 0.5 + 0.1 * self.current_epoch, batch_size=len(batch.labels))
+
+    monkeypatch.setattr(train.JourneyModule, "validation_step", rising_auc)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train.train_command(config)
+    assert sorted(set(validated)) == [1, 3, 4]  # every 2nd epoch, and the last one
+    assert torch.load(result.checkpoint, weights_only=True)["epoch"] == 4
+
+
 def test_ema_update_ramps_up_then_keeps_the_configured_decay() -> None:
     from journeys.training import EMA_WARMUP, ema_update
 
