@@ -1,5 +1,6 @@
 """Training and scoring throughput of the transformer on one device: bf16 against fp32,
-default and large sizes for training; the product's inference path for scoring.
+default and large sizes for training; the product's inference path for scoring, and
+`journeys score` end to end against a bare loop on the device.
 
 One prepared script for a single device call: for each model size and precision it runs
 `--steps` optimiser steps on random journeys (after `--warmup` steps), and prints
@@ -167,6 +168,78 @@ def measure_scoring(device: torch.device, n_journeys: int, batch_size: int) -> d
     }
 
 
+def measure_end_to_end(device: torch.device, users: int, repeats: int) -> list[dict]:
+    """`journeys score` end to end (read Parquet, encode, forward, write Parquet) in order
+    and on thread workers, against a bare loop over the same model and journeys whose
+    padded batches are already on the device: how much of scoring on a GPU is the host's."""
+    import shutil
+    import tempfile
+
+    from benchmarks.score import bare_batches, prepare, random_model
+    from journeys.packaging import load_model
+    from journeys.score import chunks_in_pool, score_dataset
+
+    folder = prepare(users)
+    loaded = load_model(str(random_model(folder)))
+    loaded.model.to(device)
+    out = Path(tempfile.mkdtemp(prefix="gpu-score-"))
+
+    def on_device(batch_size: int) -> list:
+        return [
+            batch._replace(
+                **{
+                    name: getattr(batch, name).to(device)
+                    for name in ("tokens", "features", "time_buckets", "mask", "continuous")
+                    if getattr(batch, name) is not None
+                }
+            )
+            for batch in bare_batches(loaded, str(folder), batch_size)
+        ]
+
+    def bare(batches: list) -> float:
+        began = time.perf_counter()
+        with torch.inference_mode():
+            for batch in batches:
+                result = loaded.model(
+                    batch.tokens, batch.features, batch.time_buckets, batch.mask,
+                    attention="pooled", continuous=batch.continuous,
+                )  # fmt: skip
+                result.logits.cpu().numpy()
+                result.attention[batch.mask].cpu().numpy()
+        return time.perf_counter() - began
+
+    def product(batch_size: int, workers: int) -> tuple[int, float]:
+        began = time.perf_counter()
+        rows = score_dataset(
+            loaded, folder, out / "scores", batch_size=batch_size, progress=False,
+            map_chunks=chunks_in_pool("thread", workers),
+        ).rows  # fmt: skip
+        return rows, time.perf_counter() - began
+
+    rows_out = []
+    try:
+        for batch_size in (1024, 8192):
+            batches = on_device(batch_size)
+            bare(batches)  # warm-up
+            bare_best = min(bare(batches) for _ in range(repeats))
+            for workers in (1, 2, 4):
+                product(batch_size, workers)  # warm-up
+                runs = [product(batch_size, workers) for _ in range(repeats)]
+                rows, best = runs[0][0], min(seconds for _, seconds in runs)
+                rows_out.append(
+                    {
+                        "batch_size": batch_size,
+                        "workers": workers,
+                        "journeys": rows,
+                        "product_journeys_per_s": rows / best,
+                        "bare_journeys_per_s": rows / bare_best,
+                    }
+                )
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
@@ -207,6 +280,16 @@ def main() -> None:
         print(
             f"scoring, default model, batch {batch_size}: {row['journeys_per_s']:,.0f} "
             f"journeys/s ({n_journeys:,} journeys, pooled attention exported)"
+        )
+    users = 2_000 if args.quick else 200_000  # ~337k journeys: 7 chunks of the default 50k
+    for row in measure_end_to_end(device, users, repeats=1 if args.quick else 3):
+        rows.append({"end_to_end": True, **row})
+        print(
+            f"`journeys score` end to end, batch {row['batch_size']}, {row['workers']} thread "
+            f"worker(s): {row['product_journeys_per_s']:,.0f} journeys/s against "
+            f"{row['bare_journeys_per_s']:,.0f} for a bare loop on the device "
+            f"({row['product_journeys_per_s'] / row['bare_journeys_per_s']:.2f}x; "
+            f"{row['journeys']:,} journeys)"
         )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))

@@ -25,7 +25,7 @@ to the unknown token. A model keeps only its last `max_len` events, so the list 
 a longer journey are cut to the events the model read and attention stays aligned with them.
 
 Scoring scales out like ingest: the input's journeys, its part files read back to back, are
-cut into chunks of `score.chunk_journeys`, and each chunk is scored on its own
+cut into equal chunks of at most `score.chunk_journeys`, and each chunk is scored on its own
 (`ScoreChunk`) and written as its own part file; the chunks are mapped over workers:
 `journeys score` runs `orchestration.max_workers` local threads or processes
 (`chunks_in_pool`), the score flow one Prefect task per chunk on the configured task
@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -355,9 +356,7 @@ def score_dataset(
     scored_at = datetime.fromisoformat(metadata.get("scored_at") or _now()).astimezone(UTC)
 
     total = count_rows(parts)
-    chunks = [
-        (first, min(chunk_journeys, total - first)) for first in range(0, total, chunk_journeys)
-    ]
+    chunks = chunk_bounds(total, chunk_journeys)
     with atomic_dir(out) as staging:
         score = ScoreChunk(
             loaded, parts, staging, columns, schema, as_of, scored_at,
@@ -382,6 +381,15 @@ def score_dataset(
         sum(r.open for r in results),
         as_of,
     )
+
+
+def chunk_bounds(total: int, most: int) -> list[tuple[int, int]]:
+    """`(first row, rows)` of `total` rows cut into the fewest chunks of at most `most`
+    rows, all the same size within one row: no small last chunk leaves a worker idle
+    while another still scores a full one."""
+    n = -(-total // most)
+    edges = [total * i // n for i in range(n + 1)] if n else []
+    return [(first, end - first) for first, end in itertools.pairwise(edges)]
 
 
 def chunks_in_pool(task_runner: str, workers: int | None) -> MapChunks | None:

@@ -3,6 +3,7 @@ vocabularies, one-line errors, empty input, MLflow logging."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -498,3 +499,20 @@ def test_a_chunk_is_read_from_the_row_groups_that_hold_it(tmp_path: Path) -> Non
     for start, count in ((0, 100), (0, 10), (25, 10), (29, 2), (64, 36), (99, 1)):
         got = read_rows(parts, ["n"], start, count)
         assert got["n"].to_list() == list(range(start, start + count)), (start, count)
+
+
+@pytest.mark.parametrize("total", [0, 1, 49, 50, 51, 67_393, 674_028])
+def test_chunks_are_the_fewest_of_at_most_the_setting_and_equal_in_size(total: int) -> None:
+    """Chunks cover the rows back to back, the fewest that hold at most `most` rows each,
+    their sizes within one row of each other (no small last chunk idling a worker)."""
+    from journeys.score import chunk_bounds
+
+    most = 50 if total < 1000 else 50_000
+    chunks = chunk_bounds(total, most)
+    assert len(chunks) == -(-total // most)
+    assert [first for first, _ in chunks] == list(
+        itertools.accumulate((rows for _, rows in chunks[:-1]), initial=0)
+    )[: len(chunks)]
+    assert sum(rows for _, rows in chunks) == total
+    sizes = {rows for _, rows in chunks}
+    assert max(sizes, default=0) <= most and max(sizes, default=0) - min(sizes, default=0) <= 1

@@ -524,9 +524,12 @@ def test_gpu_config_scales_training_and_keeps_everything_else() -> None:
     }
     assert len(gpu_file.read_text().splitlines()) < 60
     changed = {key.split(".")[0] for key in gpu if gpu[key] != default[key]}
-    assert changed == {"model", "train"}
+    assert changed == {"model", "train", "score", "orchestration"}
     assert (gpu["train.accelerator"], gpu["train.strategy"]) == ("gpu", "ddp")
     assert gpu["train.precision"] == "bf16-mixed"
+    # Scoring on a GPU is host-bound: larger batches, more workers overlapping host work.
+    assert gpu["score.batch_size"] > default["score.batch_size"]
+    assert gpu["orchestration.max_workers"] > default["orchestration.max_workers"]
 
 
 def test_later_config_files_override_earlier_ones_key_by_key(tmp_path: Path) -> None:
