@@ -10,7 +10,10 @@ forward), as in the PaLM / nanoGPT MFU estimates.
 
 Scoring: `journeys.inference.run_model` (what `journeys score` runs per chunk: length-grouped
 batches, pooled attention exported to NumPy) on random journeys of 1-64 events with the
-default model, at `score.batch_size` 1024 and 8192.
+default model, at `score.batch_size` 1024 and 8192; then `journeys score` end to end on
+a simulated log (200k users), in order and on 2 and 4 thread workers, against a bare loop
+whose padded batches are already on the device, and whether in-order and 4-worker
+scores are the same.
 
     python benchmarks/gpu.py                         # on a GPU: default and large sizes
     python benchmarks/gpu.py --quick                 # tiny sizes, runs on CPU too
@@ -25,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -235,9 +239,38 @@ def measure_end_to_end(device: torch.device, users: int, repeats: int) -> list[d
                         "bare_journeys_per_s": rows / bare_best,
                     }
                 )
+        rows_out.append(same_scores_on_workers(loaded, folder, out))
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return rows_out
+
+
+def same_scores_on_workers(loaded: Any, folder: Path, out: Path) -> dict:
+    """`journeys score` on the device in order and on 4 thread workers (batch 8192): the
+    same rows, the model's floats equal up to the largest difference reported."""
+    import polars as pl
+
+    from journeys.score import chunks_in_pool, score_dataset
+
+    frames = []
+    for name, workers in (("in-order", 1), ("workers", 4)):
+        score_dataset(
+            loaded, folder, out / name, batch_size=8192, progress=False,
+            map_chunks=chunks_in_pool("thread", workers),
+            metadata={"scored_at": "2026-01-01T00:00:00+00:00"},
+        )  # fmt: skip
+        frames.append(pl.read_parquet(out / name).sort("journey_id"))
+    in_order, workers = frames
+    floats = ["conversion_probability", "attention"]
+    return {
+        "same_rows_and_columns": in_order.drop(floats).equals(workers.drop(floats)),
+        "max_probability_difference": float(
+            (in_order["conversion_probability"] - workers["conversion_probability"]).abs().max()
+        ),
+        "max_attention_difference": float(
+            (in_order["attention"].explode() - workers["attention"].explode()).abs().max()
+        ),
+    }
 
 
 def main() -> None:
@@ -282,7 +315,9 @@ def main() -> None:
             f"journeys/s ({n_journeys:,} journeys, pooled attention exported)"
         )
     users = 2_000 if args.quick else 200_000  # ~337k journeys: 7 chunks of the default 50k
-    for row in measure_end_to_end(device, users, repeats=1 if args.quick else 3):
+    *timed, same = measure_end_to_end(device, users, repeats=1 if args.quick else 3)
+    rows.append({"same_scores_on_workers": True, **same})
+    for row in timed:
         rows.append({"end_to_end": True, **row})
         print(
             f"`journeys score` end to end, batch {row['batch_size']}, {row['workers']} thread "
@@ -291,6 +326,12 @@ def main() -> None:
             f"({row['product_journeys_per_s'] / row['bare_journeys_per_s']:.2f}x; "
             f"{row['journeys']:,} journeys)"
         )
+    print(
+        "in order against 4 thread workers on the device: rows and columns "
+        f"{'identical' if same['same_rows_and_columns'] else 'DIFFERENT'}, largest difference "
+        f"{same['max_probability_difference']:.2e} in probability, "
+        f"{same['max_attention_difference']:.2e} in attention"
+    )
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

@@ -35,3 +35,5 @@ def test_train_speed_smoke_run_compares_with_torch_encoder() -> None:
 def test_gpu_benchmark_smoke_run_on_cpu() -> None:
     out = run_script("benchmarks/gpu.py", "--quick")
     assert "tiny: bf16 / fp32 throughput" in out
+    assert "`journeys score` end to end, batch 8192, 4 thread worker(s):" in out
+    assert "rows and columns identical" in out
