@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Test workers (pytest-xdist), one module each at a time: two overlap the suite's waits for
+# servers and subprocesses on a 2-core machine (README, Development).
+TEST_WORKERS ?= 2
 # Keep MLflow, Prefect and Lightning quiet and offline.
 export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
@@ -30,7 +33,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check journeys flows tests benchmarks scripts
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check journeys flows tests benchmarks scripts

@@ -22,6 +22,20 @@ if str(ROOT) not in sys.path:  # `pytest` (not `python -m pytest`) does not add 
 
 from journeys.vocab import Vocabularies, Vocabulary  # noqa: E402
 
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with the most `slow` tests run first, each module kept whole (its fixtures
+    are set up once): spread over workers (`make test` runs `pytest -n`), the long modules
+    start early instead of leaving one worker alone with them at the end."""
+    slow: dict[object, int] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        slow[module] = slow.get(module, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(
+        key=lambda item: -slow[getattr(item, "module", None)]
+    )  # stable: same order within a module
+
+
 EVENT_TYPES = ("impression", "click", "search", "view_product", "add_to_cart", "email_open")
 CHANNELS = ("display", "search", "social", "email", "direct")
 DEVICES = ("mobile", "desktop", "tablet")

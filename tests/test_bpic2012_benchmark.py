@@ -185,6 +185,7 @@ def sample_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bench.Sett
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", bench.SETTINGS)
 def test_every_prefix_of_every_test_case_gets_a_probability(sample_run, setting):
     result = sample_run[setting]

@@ -156,6 +156,7 @@ def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 def test_pipeline_produces_journeys_runs_champion_scores_and_report(pipeline_runs) -> None:
     from mlflow import MlflowClient
 
@@ -344,6 +345,7 @@ def test_cli_pipeline_bad_input_exits_2_with_one_line(tmp_path: Path, capsys) ->
 # ----------------------------------------------------------------------------- scale-out
 
 
+@pytest.mark.slow
 def test_partitioned_ingest_gives_the_same_journeys(tmp_path: Path) -> None:
     from flows.pipeline import ingest_flow
     from journeys.datasets import read_journeys
@@ -374,6 +376,7 @@ def test_partitioned_ingest_gives_the_same_journeys(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.slow
 def test_scoring_mapped_as_tasks_on_threads_or_processes_matches_scoring_in_order(
     tmp_path: Path,
 ) -> None:
@@ -455,6 +458,7 @@ def test_task_runner_is_configuration() -> None:
         assert type(runner).__name__ == "DaskTaskRunner"
 
 
+@pytest.mark.slow
 def test_multi_process_training_runs_in_its_own_process(tmp_path: Path) -> None:
     """DDP (2 CPU processes, gloo) through `journeys train` in a subprocess of the flow."""
     from conftest import make_journeys_dataset
@@ -628,6 +632,7 @@ def mlflow_server(folder: Path) -> Iterator[str]:
         log.close()
 
 
+@pytest.mark.slow
 def test_pipeline_against_a_real_mlflow_server(tmp_path: Path) -> None:
     from mlflow import MlflowClient
 

@@ -192,6 +192,7 @@ def test_replay_on_a_small_simulation_runs_end_to_end(
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["reliability.png"]
 
 
+@pytest.mark.slow
 def test_every_prefix_training_logs_prefix_aucs_and_stores_the_quiet_times(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -590,6 +590,9 @@ def test_partitioned_ingest_equals_single_partition(tmp_path: Path) -> None:
     many = run_ingest(config_for(tmp_path / "e.csv", tmp_path / "many", "ingest.partitions=7"))
     assert many.report["partitions"] == 7
     assert single.journeys.sort("journey_id").equals(many.journeys.sort("journey_id"))
+    for part in many.journeys_folder.glob("*.parquet"):  # each part in user, then start order
+        journeys = pl.read_parquet(part, columns=["user_id", "start_time"])
+        assert journeys.equals(journeys.sort(["user_id", "start_time"], maintain_order=True))
     assert single.vocabularies == many.vocabularies
     drop = ("partitions", "sources")
     assert {k: v for k, v in single.report.items() if k not in drop} == {

@@ -187,6 +187,7 @@ def test_a_number_may_be_called_like_an_internal_column() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encoding", ["projection", "buckets"])
 def test_a_price_that_drives_conversion_raises_the_models_auc(encoding: str) -> None:
     """The same small transformer, with and without the numeric feature (projected or

@@ -132,6 +132,7 @@ def _listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.slow
 def test_journeys_ui_under_sigterm_leaves_no_process_and_no_listening_port(
     tmp_path: Path,
 ) -> None:
@@ -168,6 +169,7 @@ def test_journeys_ui_under_sigterm_leaves_no_process_and_no_listening_port(
     assert not _listening(port)
 
 
+@pytest.mark.slow
 def test_journeys_serve_under_sigterm_stops_its_prefect_server(tmp_path: Path) -> None:
     import psutil
 

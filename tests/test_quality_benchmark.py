@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from sklearn.metrics import roc_auc_score
 
 from benchmarks.quality import expected_roc_auc
 
 
+@pytest.mark.slow
 def test_expected_roc_auc_is_the_mean_auc_over_label_draws() -> None:
     rng = np.random.default_rng(0)
     true_probability = rng.beta(0.5, 5.0, size=400)

@@ -225,6 +225,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> dict:
 # ----------------------------------------------------------------------------- kill -9
 
 
+@pytest.mark.slow
 def test_kill_9_during_ingest_leaves_previous_output_or_none_and_rerun_matches(
     logs, reference_ingest, tmp_path: Path
 ) -> None:
@@ -261,6 +262,7 @@ def test_kill_9_during_ingest_leaves_previous_output_or_none_and_rerun_matches(
     assert hidden_litter(tmp_path) == [LOCK_FILE]  # the rerun swept the killed runs' litter
 
 
+@pytest.mark.slow
 def test_kill_9_during_scoring_leaves_previous_scores_or_none_and_rerun_matches(
     tiny_model, tmp_path: Path
 ) -> None:
@@ -311,6 +313,7 @@ def test_kill_9_during_scoring_leaves_previous_scores_or_none_and_rerun_matches(
     assert hidden_litter(tmp_path) == [LOCK_FILE]
 
 
+@pytest.mark.slow
 def test_kill_9_during_training_then_resume_finishes_in_the_same_single_run(
     tmp_path: Path,
 ) -> None:
@@ -624,6 +627,7 @@ def prefect_api() -> Iterator[None]:
     shutil.rmtree(home, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_scheduled_train_flow_fails_and_keeps_last_good_outputs_when_mlflow_is_down(
     prefect_api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -654,6 +658,7 @@ def test_scheduled_train_flow_fails_and_keeps_last_good_outputs_when_mlflow_is_d
 # ----------------------------------------------------------------------------- concurrency
 
 
+@pytest.mark.slow
 def test_two_ingests_at_once_on_the_same_paths_never_mix_outputs(
     logs, reference_ingest, tmp_path: Path
 ) -> None:

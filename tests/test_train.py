@@ -78,6 +78,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
         yield result, config, uri, out.getvalue()
 
 
+@pytest.mark.slow
 def test_run_logs_every_contract_metric_param_tag_and_plot(trained) -> None:
     result, config, uri, _ = trained
     client = MlflowClient(uri)
@@ -631,6 +632,7 @@ def test_few_evaluation_conversions_and_a_warmup_longer_than_the_run_warn(
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_train_stopped_by_sigterm_exits_143_and_marks_its_run_killed(tmp_path: Path) -> None:
     import signal
     import subprocess
