@@ -143,8 +143,10 @@ class Staged:
 
 
 # The passes' own files, read back once or twice and deleted: written for speed (lz4), not
-# size (the output's default, zstd).
+# size. The journeys themselves: zstd at its fastest level, twice as fast to write as
+# Polars' default level (3) for files 7% larger (10M events: 0.25 s against 0.51 s a part).
 SCRATCH_COMPRESSION = "lz4"
+OUTPUT_COMPRESSION, OUTPUT_COMPRESSION_LEVEL = "zstd", 1
 
 
 def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged:
@@ -367,10 +369,22 @@ def finish(
     columns = [*parts_columns(config)]
     write_quarantine(config, staged, quarantine_folder)
     with atomic_dir(journeys_folder) as folder:
-        for index, part in enumerate(parts):
-            pl.scan_parquet(part.path).with_columns(flags).with_columns(
-                split.alias("split")
-            ).select(columns).sink_parquet(folder / PART_FILE.format(index))
+        # One query for every part: Polars runs the sinks side by side (10M events: 3.1 s
+        # against 4.5 s one after the other).
+        sinks = [
+            pl.scan_parquet(part.path)
+            .with_columns(flags)
+            .with_columns(split.alias("split"))
+            .select(columns)
+            .sink_parquet(
+                folder / PART_FILE.format(index),
+                compression=OUTPUT_COMPRESSION,
+                compression_level=OUTPUT_COMPRESSION_LEVEL,
+                lazy=True,
+            )
+            for index, part in enumerate(parts)
+        ]
+        pl.collect_all(sinks, engine="streaming")
         vocabularies.save(folder)
         write_json(report, folder / REPORT_FILE)
     return IngestResult(report, journeys_folder, quarantine_folder, vocabularies)

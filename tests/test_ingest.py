@@ -281,6 +281,21 @@ def test_timestamps_read_with_the_samples_layout_equal_every_form_parsing(first:
         assert every_form.head(150).null_count() == 0
 
 
+def test_a_bad_value_in_the_sample_keeps_the_batch_on_the_samples_layout() -> None:
+    """One unreadable value among the first ones (a 1% dirty log has one in most samples)
+    must not send the whole batch through every form: the layout read by most of the
+    sample parses it, the bad value alone is null, and the instants are every form's."""
+    from journeys.config import load_config
+    from journeys.events import _fast_parse, parse_timestamp
+
+    data = load_config(None, []).data
+    text = pl.Series("ts", ["2026-01-05T10:00:00Z", "noise"] * 3 + ["2026-01-05T11:30:00Z"] * 200)
+    fast = _fast_parse(text, data.timezone)
+    assert fast is not None and fast.null_count() == 3
+    assert fast.equals(text.to_frame().select(parse_timestamp(pl.col("ts"), pl.String, data))["ts"])
+    assert _fast_parse(pl.Series("ts", ["noise"] * 5), data.timezone) is None
+
+
 def test_numeric_epoch_column_in_parquet(tmp_path: Path) -> None:
     instant = datetime(2026, 3, 1, 12, 30, 15, 250000, tzinfo=UTC)
     pl.DataFrame(
