@@ -67,7 +67,9 @@ def test_numbers_are_read_missing_when_empty_and_quarantined_when_not_numbers(
         ("u1", "2026-01-05T10:04:00Z", "click", "a", "inf"),  # not a finite number
         ("u1", "2026-01-05T10:05:00Z", "purchase", "a", ""),
     ]
-    log = pl.DataFrame(rows, schema=["user_id", "timestamp", "event_type", "channel", "price"])
+    log = pl.DataFrame(
+        rows, schema=["user_id", "timestamp", "event_type", "channel", "price"], orient="row"
+    )
     log = log.with_columns(pl.col("price").replace("", None))
     log.write_csv(tmp_path / "log.csv")
     config = config_for(
