@@ -276,6 +276,10 @@ def main() -> None:
             rows.setdefault(f"baseline_{name}", []).append(baseline.metrics)
         logits = model_logits(config, result.run_id, test)
         expected["transformer"].append(expected_roc_auc(logits, test.true_probability))
+        gap = expected["oracle (true probability)"][0] - expected["transformer"][-1]
+        print(
+            f"seed {seed}: expected test ROC AUC {expected['transformer'][-1]:.4f}, gap {gap:.4f}"
+        )
         if args.effects:
             recovered = effect_recovery(test, logits)
             print(f"seed {seed}: effect recovery (coefficient on the true features, test set)")
@@ -307,6 +311,7 @@ def main() -> None:
             model, f"{auc.mean():.4f} +- {auc.std():.4f}", f"{ceiling_auc - auc.mean():.4f}"
         )
         summary[model]["expected_roc_auc"] = [float(auc.mean()), float(auc.std())]
+        summary[model]["expected_roc_auc_by_seed"] = [float(a) for a in auc]
     Console(width=140).print(table)
     summary["seconds"] = timing
     if effects:

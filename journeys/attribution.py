@@ -3,8 +3,8 @@
 Which attention is exported (`score.attention`)
 -----------------------------------------------
 By default `pooled`: the last layer's attention of the query the classifier reads, i.e.
-the CLS token's row (with `model.pooling: mean` the average of all rows, with `last` or a
-causal model the last event's row), averaged over heads, padding removed, renormalised to
+the last event's row (the default `model.pooling: last`, and causal models; with `cls` the
+CLS token's row, with `mean` the average of all rows), averaged over heads, padding removed, renormalised to
 sum to 1 over the journey's events. It is cheap, O(L) extra per journey: the fast SDPA path
 still computes the outputs and only that one row of weights is recomputed, so exporting
 it costs little (see benchmarks/RESULTS.md). And it is the quantity the classifier head

@@ -275,7 +275,11 @@ class Model(Section):
     # cannot know how far the end is.
     position_origin: Literal["auto", "start", "end"] = "auto"
     norm: Literal["pre", "post"] = "pre"
-    pooling: Literal["cls", "mean", "last"] = "cls"
+    # The journey as its last event's output ("last"), a prepended CLS token's, or the mean
+    # of its events'. The hour, the latest price and the final visit's gap sit on the last
+    # event: "last" came 0.0003 closer to the best possible AUC than "cls" on the simulator,
+    # with a third of its spread over seeds (docs/model.md).
+    pooling: Literal["cls", "mean", "last"] = "last"
     causal: bool = False
     time_buckets: Annotated[int, Field(ge=2)] = 32
     # A gap this long opens a new visit (web analytics' 30-minute session rule; gaps in the
@@ -289,9 +293,10 @@ class Model(Section):
     # 32 buckets blur, and that gradient boosting on aggregates uses (`hgb_aggregates`).
     time_encodings: bool = True
     # How a numeric feature enters an event (`data.numeric_features`): `projection` adds its
-    # scaled value, a missing flag and its value against the journey's earlier values to
-    # the continuous inputs; `buckets` embeds the value and that relative value each by its
-    # train-quantile bucket (`numeric_buckets` of them; missing has its own id).
+    # scaled value, a missing flag, its value against the journey's earlier values and that
+    # carried forward to later events to the continuous inputs; `buckets` embeds the value
+    # and that relative value each by its train-quantile bucket (`numeric_buckets` of them;
+    # missing has its own id).
     numeric_encoding: Literal["projection", "buckets"] = "projection"
     numeric_buckets: Annotated[int, Field(ge=2)] = 16
 

@@ -84,11 +84,14 @@ NumericScaling = tuple[tuple[str, float, float], ...]
 
 
 # Continuous inputs per numeric feature, in this order: its value (asinh, scaled with train's
-# statistics; 0 where missing), a flag where it is missing, and its value against the
-# journey's earlier values (asinh(value) minus their mean, same scale; 0 where missing or
-# first): whether a price is above the user's usual is one input, not a sum the network
-# must learn to take over the journey.
-NUMERIC_INPUTS = ("value", "missing", "relative")
+# statistics; 0 where missing), a flag where it is missing, its value against the journey's
+# earlier values (asinh(value) minus their mean, same scale; 0 where missing or first), and
+# that relative value carried forward to the events after it (the latest known; 0 before
+# any). The third makes "a price above the user's usual" one input, not a mean the network
+# must learn to take over the journey; the fourth puts it on every later event, the last
+# included, so the model need not search the journey for the latest priced event. Models
+# read the first `ContinuousInputs.numeric_inputs` of them (older ones: two or three).
+NUMERIC_INPUTS = ("value", "missing", "relative", "carried")
 # With `model.numeric_encoding: buckets` these two are embedded by their train-quantile
 # bucket instead, as extra categorical features after the model's own (id 0: padding,
 # 1: missing or no earlier value, then the buckets); missing needs no flag of its own.
@@ -99,13 +102,14 @@ BUCKETED_INPUTS = ("value", "relative")
 class ContinuousInputs:
     """The continuous inputs `encode_journeys` adds per event, in this order: the time
     encodings (when `timezone` is set: hours are read there), then `NUMERIC_INPUTS` for
-    each numeric feature (`continuous_count` of them). `relative: False` leaves the third
-    out (models trained before it existed). With `bucket_edges` (`numeric_bucket_edges`)
-    the numbers are bucket ids instead (`BUCKETED_INPUTS`), not continuous inputs."""
+    each numeric feature (`continuous_count` of them), the first `numeric_inputs` of them
+    (fewer for models trained before the later ones existed). With `bucket_edges`
+    (`numeric_bucket_edges`) the numbers are bucket ids instead (`BUCKETED_INPUTS`), not
+    continuous inputs."""
 
     timezone: str | None = None
     numeric: NumericScaling = ()
-    relative: bool = True
+    numeric_inputs: int = len(NUMERIC_INPUTS)
     bucket_edges: tuple[tuple[float, ...], ...] = ()
 
     @property
@@ -149,13 +153,15 @@ def numeric_bucket_edges(
 
 
 def continuous_count(
-    time_encodings: bool, n_numeric: int, relative: bool = True, buckets: bool = False
+    time_encodings: bool,
+    n_numeric: int,
+    numeric_inputs: int = len(NUMERIC_INPUTS),
+    buckets: bool = False,
 ) -> int:
     """How many continuous inputs a model reads per event (`ContinuousInputs`)."""
     if buckets:
         n_numeric = 0  # embedded as bucket ids instead
-    per_number = len(NUMERIC_INPUTS) - (0 if relative else 1)
-    return (len(TIME_ENCODINGS) if time_encodings else 0) + per_number * n_numeric
+    return (len(TIME_ENCODINGS) if time_encodings else 0) + numeric_inputs * n_numeric
 
 
 def relative_to_earlier(value: pl.Expr) -> pl.Expr:
@@ -326,9 +332,14 @@ def encode_journeys(
         times.list.first().alias("start"),
     )
     bucketed = bool(continuous.bucket_edges)
-    if continuous.relative or bucketed:
+    if continuous.numeric_inputs > 2 or bucketed:
         lists = lists.with_columns(
             pl.col(f"n{i}").list.eval(relative_to_earlier(pl.element().arcsinh())).alias(f"r{i}")
+            for i in range(len(numeric))
+        )
+    if continuous.numeric_inputs > 3 and not bucketed:
+        lists = lists.with_columns(
+            pl.col(f"r{i}").list.eval(pl.element().forward_fill()).alias(f"l{i}")
             for i in range(len(numeric))
         )
     list_columns = [c for c in lists.columns if c not in ("journey", "start")]
@@ -354,8 +365,9 @@ def encode_journeys(
             for expr in (
                 ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0),
                 pl.col(f"n{i}").is_null(),  # the missing flag
-                *([(pl.col(f"r{i}") / scale).fill_null(0.0)] if continuous.relative else []),
-            )
+                (pl.col(f"r{i}") / scale).fill_null(0.0),
+                (pl.col(f"l{i}") / scale).fill_null(0.0),
+            )[: continuous.numeric_inputs]
         ),
     ]
     # Gaps on the flat events, not per list (`gap_seconds_expr`): 2x faster, same values.

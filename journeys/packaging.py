@@ -66,6 +66,8 @@ def preprocessing_settings(
     numeric features' train scaling (`journeys.data.numeric_scaling`) and bucket edges
     (`numeric_bucket_edges`) included, and how long journeys stay quiet
     (`journeys.in_flight`) to score the open ones."""
+    from journeys.data import NUMERIC_INPUTS
+
     data, journey = config.data, config.journey
     return {
         "format_version": FORMAT_VERSION,
@@ -86,7 +88,7 @@ def preprocessing_settings(
         "timezone": data.timezone,
         "timestamp_unit": data.timestamp_unit,
         "time_encodings": config.model.time_encodings,
-        "numeric_relative": True,  # NUMERIC_INPUTS in full (older models: value and flag)
+        "numeric_inputs": len(NUMERIC_INPUTS),  # older models: see `LoadedModel.continuous`
         "quiet_survival": quiet_survival.to_dict() if quiet_survival else None,
     }
 
@@ -125,8 +127,10 @@ class LoadedModel:
         )
         zone = self.preprocessing.get("timezone", "UTC") if time else None
         edges = tuple(tuple(e) for e in self.preprocessing.get("numeric_bucket_edges", []))
-        relative = bool(self.preprocessing.get("numeric_relative"))
-        return ContinuousInputs(zone, scaling, relative, edges)
+        # Models from before `numeric_inputs` say `numeric_relative` (three) or nothing (two).
+        legacy = 3 if self.preprocessing.get("numeric_relative") else 2
+        numeric_inputs = int(self.preprocessing.get("numeric_inputs", legacy))
+        return ContinuousInputs(zone, scaling, numeric_inputs, edges)
 
     @property
     def max_gap(self) -> timedelta:

@@ -173,7 +173,7 @@ class JourneyDataModule(L.LightningDataModule):
             if self.numeric_buckets
             else ()
         )
-        self.continuous = ContinuousInputs(self.continuous.timezone, scaling, True, edges)
+        self.continuous = ContinuousInputs(self.continuous.timezone, scaling, bucket_edges=edges)
         for split in SPLITS:
             self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
 
