@@ -77,7 +77,9 @@ def journeys_cli(*args: str) -> None:
     subprocess.run(command, check=True, cwd=ROOT, env=env)
 
 
-def train_model(work: Path, users: int, seed: int, epochs: int) -> tuple[str, str]:
+def train_model(
+    work: Path, users: int, seed: int, epochs: int, overrides: list[str]
+) -> tuple[str, str]:
     """Simulate, ingest and train with the product; returns (model URI, tracking URI).
 
     A previous run's store and checkpoints are removed first: otherwise training would
@@ -99,6 +101,7 @@ def train_model(work: Path, users: int, seed: int, epochs: int) -> tuple[str, st
         f"mlflow.tracking_uri={tracking}",
         f"train.max_epochs={epochs}",
         "train.baselines=[]",
+        *overrides,
     ]
     sets = [arg for s in settings for arg in ("--set", s)]
     journeys_cli(
@@ -400,6 +403,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=WORK)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="config override"
+    )
+    parser.add_argument(
         "--no-record", action="store_true", help="do not record the run in RESULTS.md"
     )
     args = parser.parse_args()
@@ -411,7 +417,9 @@ def main() -> None:
     started = time.perf_counter()
     model_uri, tracking = args.model, args.tracking_uri
     if model_uri is None:
-        model_uri, tracking = train_model(args.work, args.users, args.seed, args.epochs)
+        model_uri, tracking = train_model(
+            args.work, args.users, args.seed, args.epochs, args.overrides
+        )
     outcome = evaluate(model_uri, tracking, args.work, args)
     seconds = time.perf_counter() - started
     command = "python benchmarks/faithfulness.py " + " ".join(sys.argv[1:])
