@@ -281,13 +281,21 @@ def markdown(results: dict, args: argparse.Namespace, command: str, host: str) -
     def cost(times: dict[str, float], mode: str) -> str:
         return f"{100 * (times[mode] / times['none'] - 1):+.1f}%"
 
+    from journeys.config import load_config
+
+    default = load_config(ROOT / "conf" / "default.yaml", []).model
+    model = args.model or (
+        f"default architecture (d_model {default.d_model}, {default.n_heads} heads, "
+        f"{default.n_layers} layers, {default.pooling} pooling), random weights"
+    )
+
     lines = [
         "",
         f"## Scoring throughput and memory ({datetime.now(UTC):%Y-%m-%d})",
         "",
         f"- Command: `{command}`",
         f"- Machine: {host}",
-        f"- Model: {args.model or 'default architecture (d_model 64, 4 heads, 2 layers, CLS), random weights'}; "
+        f"- Model: {model}; "
         f"`score.batch_size` {args.batch_size}, `score.chunk_journeys` {args.chunk}; end to end "
         "(read Parquet, encode, forward, write Parquet), imports and model loading excluded; "
         f"{args.repeats} alternating runs per mode.",

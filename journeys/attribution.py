@@ -4,11 +4,12 @@ Which attention is exported (`score.attention`)
 -----------------------------------------------
 By default `pooled`: the last layer's attention of the query the classifier reads, i.e.
 the last event's row (the default `model.pooling: last`, and causal models; with `cls` the
-CLS token's row, with `mean` the average of all rows), averaged over heads, padding removed, renormalised to
-sum to 1 over the journey's events. It is cheap, O(L) extra per journey: the fast SDPA path
-still computes the outputs and only that one row of weights is recomputed, so exporting
-it costs little (see benchmarks/RESULTS.md). And it is the quantity the classifier head
-actually reads: the pooled vector is exactly this weighted mix of the last layer's values.
+CLS token's row, with `mean` the average of all rows), averaged over heads, padding
+removed, renormalised to sum to 1 over the journey's events. It is cheap, O(L) extra per
+journey: the fast SDPA path still computes the outputs and only that one row of weights is
+recomputed, so exporting it costs little (see benchmarks/RESULTS.md). And it is the
+quantity the classifier head actually reads: the pooled vector is exactly this weighted mix
+of the last layer's values.
 Its limit is that it sees one layer: what earlier layers moved between positions is not
 in it. `rollout` (Abnar & Zuidema 2020) multiplies the head-averaged maps of every layer
 (with the residual identity mixed in), which follows information through the depth of

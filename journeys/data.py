@@ -295,6 +295,17 @@ class EncodedJourneys:
         return self.tokens.numel()
 
 
+def numeric_input_exprs(i: int, centre: float, scale: float) -> dict[str, pl.Expr]:
+    """The `NUMERIC_INPUTS` of the i-th numeric feature, on the exploded events of
+    `encode_journeys` (its value `n{i}`, relative value `r{i}` and that carried `l{i}`)."""
+    return {
+        "value": ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0),
+        "missing": pl.col(f"n{i}").is_null(),
+        "relative": (pl.col(f"r{i}") / scale).fill_null(0.0),
+        "carried": (pl.col(f"l{i}") / scale).fill_null(0.0),
+    }
+
+
 def encode_journeys(
     frame: pl.DataFrame,
     vocabs: Vocabularies,
@@ -332,12 +343,13 @@ def encode_journeys(
         times.list.first().alias("start"),
     )
     bucketed = bool(continuous.bucket_edges)
-    if continuous.numeric_inputs > 2 or bucketed:
+    read = () if bucketed else NUMERIC_INPUTS[: continuous.numeric_inputs]
+    if bucketed or "relative" in read:
         lists = lists.with_columns(
             pl.col(f"n{i}").list.eval(relative_to_earlier(pl.element().arcsinh())).alias(f"r{i}")
             for i in range(len(numeric))
         )
-    if continuous.numeric_inputs > 3 and not bucketed:
+    if "carried" in read:
         lists = lists.with_columns(
             pl.col(f"r{i}").list.eval(pl.element().forward_fill()).alias(f"l{i}")
             for i in range(len(numeric))
@@ -360,14 +372,9 @@ def encode_journeys(
             else []
         ),
         *(
-            expr
+            numeric_input_exprs(i, centre, scale)[name]
             for i, (_, centre, scale) in enumerate(() if bucketed else continuous.numeric)
-            for expr in (
-                ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0),
-                pl.col(f"n{i}").is_null(),  # the missing flag
-                (pl.col(f"r{i}") / scale).fill_null(0.0),
-                (pl.col(f"l{i}") / scale).fill_null(0.0),
-            )[: continuous.numeric_inputs]
+            for name in read
         ),
     ]
     # Gaps on the flat events, not per list (`gap_seconds_expr`): 2x faster, same values.
