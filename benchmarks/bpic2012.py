@@ -18,7 +18,7 @@ CC BY 4.0) with the product's own pipeline:
   (for a comparison: the model reads the amount itself, `data.numeric_features`) and the
   time since the case's first event;
 - the transformer: the product's causal `JourneyTransformer`, trained by the product's
-  `JourneyModule` and Trainer (`journeys.training`) with configuration only
+  `JourneyModule` and Trainer (`journeys.lightning_parts`) with configuration only
   (`MODEL_OVERRIDES`): `train.objective=every_prefix` puts the loss at every prefix position
   (the causal head gives a logit after each event, so one pass trains on all prefixes
   1..40), `train.prefix_weight=prefix` weighs every prefix alike (the reference trains on
@@ -87,7 +87,7 @@ from journeys import metrics as M  # noqa: E402  (after the checkout is importab
 
 if TYPE_CHECKING:
     from journeys.config import Config
-    from journeys.data import EncodedJourneys, NumericScaling
+    from journeys.encoding import EncodedJourneys, NumericScaling
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
@@ -525,8 +525,8 @@ def train_transformer(
     import lightning as L
     import torch
 
-    from journeys.data import make_dataloader, model_config_from
-    from journeys.training import JourneyModule, build_trainer
+    from journeys.encoding import make_dataloader, model_config_from
+    from journeys.lightning_parts import JourneyModule, build_trainer
 
     started = time.perf_counter()
     L.seed_everything(config.train.seed, workers=True, verbose=False)
@@ -578,7 +578,7 @@ def encode_cases(
     labelled; `numeric` is the train cases' scaling of `data.numeric_features`."""
     import torch
 
-    from journeys.data import ContinuousInputs, encode_journeys
+    from journeys.encoding import ContinuousInputs, encode_journeys
 
     zone = config.data.timezone if config.model.time_encodings else None
     inputs = ContinuousInputs(zone, numeric)
@@ -928,7 +928,7 @@ def _run_setting(
         f"val {counts['val']:,}, test {counts['test']:,} ({counts['test_prefixes']:,} test "
         f"prefixes); train events cut at {split.cutoff:%Y-%m-%d %H:%M} UTC"
     )
-    from journeys.data import numeric_scaling
+    from journeys.encoding import numeric_scaling
 
     vocabs = build_vocabularies(parts["train"], config, transformer_features(config))
     numeric = numeric_scaling(parts["train"], config.data.numeric_features)

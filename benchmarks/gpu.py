@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from journeys.config import load_config  # noqa: E402
-from journeys.data import model_config_from_sizes  # noqa: E402
+from journeys.encoding import model_config_from_sizes  # noqa: E402
 from journeys.model import JourneyTransformer  # noqa: E402
 
 # Dense bf16 peak (TFLOP/s) by device name; fp32 runs are compared with the same peak.
@@ -137,7 +137,7 @@ def measure(size: Size, precision: str, device: torch.device, steps: int, warmup
 
 def measure_scoring(device: torch.device, n_journeys: int, batch_size: int) -> dict:
     """Journeys/s of the product's inference path with the pooled attention exported."""
-    from journeys.data import EncodedJourneys
+    from journeys.encoding import EncodedJourneys
     from journeys.inference import run_model
 
     torch.manual_seed(0)

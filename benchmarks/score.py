@@ -99,7 +99,7 @@ def random_model(journeys: Path) -> Path:
 
     from journeys import packaging
     from journeys.config import load_config
-    from journeys.data import model_config_from
+    from journeys.encoding import model_config_from
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
@@ -133,7 +133,7 @@ def child(spec: dict) -> dict:
     `throughput` (alternating runs per attention mode, wall and CPU seconds)."""
     import torch
 
-    import journeys.data  # Lightning (~4 s): imported before any clock starts
+    import journeys.encoding  # Lightning (~4 s): imported before any clock starts
     import journeys.inference
     import journeys.score
     from journeys.packaging import load_model
@@ -239,7 +239,7 @@ def bare_batches(loaded, journeys: str, batch_size: int) -> list:
     """The journeys as the model's padded, length-grouped batches, built beforehand."""
     import polars as pl
 
-    from journeys.data import make_dataloader
+    from journeys.encoding import make_dataloader
 
     frame = pl.read_parquet(Path(journeys) / "part-*.parquet")
     encoded = loaded.encode(frame)

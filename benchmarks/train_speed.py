@@ -47,7 +47,7 @@ def random_journeys(
     `n_continuous` standard-normal continuous inputs per event (time encodings, numbers)."""
     import torch
 
-    from journeys.data import EncodedJourneys
+    from journeys.encoding import EncodedJourneys
 
     rng = np.random.default_rng(seed)
     lengths = np.minimum(rng.geometric(1 / mean_events, size=n), max_len)
@@ -112,8 +112,8 @@ def run(
     import lightning as L
     import torch
 
-    from journeys.data import make_dataloader, model_config_from_sizes
-    from journeys.training import JourneyModule, weight_averaging
+    from journeys.encoding import make_dataloader, model_config_from_sizes
+    from journeys.lightning_parts import JourneyModule, weight_averaging
 
     settings = config.train
     n_features = encoded.features.size(0)
@@ -221,7 +221,7 @@ def main() -> None:
     import lightning as L
 
     from journeys.config import load_config
-    from journeys.data import continuous_count
+    from journeys.encoding import continuous_count
 
     config = load_config(args.config, args.overrides)
     L.seed_everything(config.train.seed, verbose=False)

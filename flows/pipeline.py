@@ -61,7 +61,7 @@ from journeys import ingest as ingest_lib
 from journeys import tracking
 from journeys.config import Config, redact_uri
 from journeys.errors import InputError, JourneysError
-from journeys.pipeline_lock import HELD_ENV, lock_path, pipeline_lock
+from journeys.pipeline_lock import HELD_ENV, lock_path, stage_lock
 from journeys.processes import run_supervised
 from journeys.score import ChunkScored, MapChunks, ScoreChunk, shared_cores
 
@@ -115,16 +115,6 @@ def _configured(task_: Any, settings: Orchestration, **options: Any) -> Any:
     return task_.with_options(**{**defaults, **options})
 
 
-@contextlib.contextmanager
-def _stage_lock(config: Config, stage: str) -> Iterator[None]:
-    settings = orchestration(config)
-    logger = get_run_logger()
-    with pipeline_lock(
-        lock_path(config), f"journeys {stage}", settings.lock_timeout_s, on_wait=logger.info
-    ):
-        yield
-
-
 @dataclass(frozen=True)
 class StageInputs:
     """What a cached stage's key hashes besides config and code, looked up under its lock."""
@@ -152,7 +142,7 @@ def cached_stage(
     `task_options` override the configured retries and timeout.
     """
     settings = orchestration(config)
-    with _stage_lock(config, stage):
+    with stage_lock(config, stage, on_wait=get_run_logger().info):
         found = inputs()
         key = fingerprint_task(stage, config, found.files, found.extra)
         # A cache hit only when caching is on and the outputs are intact.
@@ -593,7 +583,7 @@ def pipeline_flow(
     """End to end: (simulate if `paths.raw` is empty,) ingest, train, score, attribution."""
     config = resolve_config(config, config_file, overrides)
     started = time.perf_counter()
-    with _stage_lock(config, "simulate"):
+    with stage_lock(config, "simulate", on_wait=get_run_logger().info):
         simulated = simulate_task(config)
     summary = {
         "simulated": simulated,

@@ -149,7 +149,7 @@ def timing_aggregates(
     A visit opens at every gap of at least `visit_gap_s` seconds (the model's
     `model.visit_gap`); without one, every journey is one visit.
     """
-    from journeys.data import gap_seconds_expr
+    from journeys.encoding import gap_seconds_expr
 
     time = pl.col("event_time")
     gaps = gap_seconds_expr(time).list.slice(1)  # the first event has no gap

@@ -8,15 +8,15 @@ Errors the user can fix (`JourneysError`) print one line and exit 2, with no tra
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from journeys.config import Config, load_config, redact_uri
 from journeys.errors import Interrupted, JourneysError
+from journeys.pipeline_lock import stage_lock
 
 EXIT_BAD_INPUT = 2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -44,18 +44,6 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.overrides)
 
 
-@contextlib.contextmanager
-def _locked(config: Config, stage: str) -> Iterator[None]:
-    """Hold the data folder's lock, so a scheduled run never writes these outputs too."""
-    from journeys.pipeline_lock import stage_lock
-
-    def tell(message: str) -> None:
-        print(f"journeys {stage}: {message}", file=sys.stderr, flush=True)
-
-    with stage_lock(config, f"journeys {stage}", on_wait=tell):
-        yield
-
-
 def cmd_simulate(args: argparse.Namespace) -> None:
     from journeys.simulate import simulate
 
@@ -78,7 +66,7 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
     config = _config(args)
     resolve_sources(config.paths.raw)  # a missing input fails before any lock or folder
-    with _locked(config, "ingest"):
+    with stage_lock(config, "ingest"):
         report = ingest(config)
     print_report(report)
 
@@ -94,7 +82,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     check_tracking_uri(tracking_uri(config))
     from journeys.train import train_command
 
-    with _locked(config, "train"):
+    with stage_lock(config, "train"):
         train_command(config, resume=args.resume, sizes=sizes)
 
 
@@ -114,7 +102,7 @@ def cmd_score(args: argparse.Namespace) -> None:
     )
     # A breakdown that cannot be built fails before the scores are replaced, not after.
     report_dimensions(config.data.features, config.attribution.by)
-    with _locked(config, "score"):
+    with stage_lock(config, "score"):
         result = score_command(
             config, model_uri=args.model, input_path=args.input, out=args.out, as_of=args.as_of
         )
@@ -132,7 +120,7 @@ def cmd_attribute(args: argparse.Namespace) -> None:
 
     config = _config(args)
     require_input(args.scores or config.paths.scores, "scores", "run `journeys score` first")
-    with _locked(config, "attribute"):
+    with stage_lock(config, "attribute"):
         attribute_command(config, scores=args.scores, out=args.out)
 
 

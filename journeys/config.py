@@ -335,14 +335,14 @@ class Train(Section):
     schedule: Literal["inverse_sqrt", "cosine"] = "cosine"
     grad_clip: Annotated[float, Field(ge=0)] = 1.0
     # Validate, checkpoint and ship an exponential moving average of the weights (decay per
-    # step); null: the raw weights. See `journeys.training.ema_update`.
+    # step); null: the raw weights. See `journeys.lightning_parts.ema_update`.
     ema_decay: Annotated[float, Field(ge=0, lt=1)] | None = 0.999
     pos_weight: Annotated[float, Field(gt=0)] | None = None
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
     # Negative sampling: each epoch keeps every converted train journey and draws afresh
     # just enough unconverted ones that conversions make up this share of the epoch; the
     # loss corrects for it, so probabilities keep the full data's scale. null, or a share
-    # the data already reach: every journey, every epoch. See `journeys.data.fraction_of_negatives`.
+    # the data already reach: every journey, every epoch. See `journeys.encoding.fraction_of_negatives`.
     positive_share: Annotated[float, Field(gt=0, lt=1)] | None = 0.25
     # ... but sampling never leaves a run fewer optimiser steps than this (where the data
     # have them): on small data it draws more negatives, up to all. 0: the share alone.

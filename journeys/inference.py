@@ -17,7 +17,7 @@ import numpy as np
 import polars as pl
 import torch
 
-from journeys.data import EncodedJourneys, make_dataloader
+from journeys.encoding import EncodedJourneys, make_dataloader
 from journeys.model import AttentionMode, JourneyTransformer
 
 IG_STEPS = 32  # Riemann steps along the integrated-gradients path (midpoint rule)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import polars as pl
 
     from journeys.config import Config
-    from journeys.data import ContinuousInputs, EncodedJourneys, NumericScaling
+    from journeys.encoding import ContinuousInputs, EncodedJourneys, NumericScaling
     from journeys.in_flight import QuietSurvival
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
@@ -63,10 +63,10 @@ def preprocessing_settings(
     bucket_edges: tuple[tuple[float, ...], ...] = (),
 ) -> dict[str, Any]:
     """Everything scoring needs to rebuild journeys exactly as training saw them, the
-    numeric features' train scaling (`journeys.data.numeric_scaling`) and bucket edges
+    numeric features' train scaling (`journeys.encoding.numeric_scaling`) and bucket edges
     (`numeric_bucket_edges`) included, and how long journeys stay quiet
     (`journeys.in_flight`) to score the open ones."""
-    from journeys.data import NUMERIC_INPUTS
+    from journeys.encoding import NUMERIC_INPUTS
 
     data, journey = config.data, config.journey
     return {
@@ -119,7 +119,7 @@ class LoadedModel:
     def continuous(self) -> ContinuousInputs:
         """The continuous inputs the model reads, as training computed them: the time
         encodings in the training log's zone, the numbers with train's scaling."""
-        from journeys.data import ContinuousInputs
+        from journeys.encoding import ContinuousInputs
 
         time = bool(self.preprocessing.get("time_encodings"))
         scaling = tuple(
@@ -154,7 +154,7 @@ class LoadedModel:
 
     def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
         """A journeys frame (ingest schema) as the model's input, with its vocabularies."""
-        from journeys.data import encode_journeys
+        from journeys.encoding import encode_journeys
 
         n_time_buckets = self.preprocessing.get("n_time_buckets", self.model.config.n_time_buckets)
         return encode_journeys(

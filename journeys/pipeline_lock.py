@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -46,7 +47,7 @@ def _holder(handle) -> str:
 
 
 @contextlib.contextmanager
-def pipeline_lock(
+def hold_lock(
     path: str | Path,
     what: str,
     timeout: float | None = None,
@@ -97,9 +98,10 @@ def pipeline_lock(
 
 @contextlib.contextmanager
 def stage_lock(
-    config: Config, what: str, on_wait: Callable[[str], None] | None = None
+    config: Config, stage: str, on_wait: Callable[[str], None] | None = None
 ) -> Iterator[None]:
-    """The data folder's lock for one command-line stage, unless a parent already holds it.
+    """The data folder's lock for one stage (`ingest`, `train`, ...) of a command or a flow,
+    unless a parent already holds it; `on_wait` is told who holds it (default: stderr).
 
     A process started by the lock's holder (see `HELD_ENV`) or a DDP rank other than 0
     runs without it: waiting for its own parent would wait forever.
@@ -109,7 +111,12 @@ def stage_lock(
     if os.environ.get(HELD_ENV) == str(path) or launched_rank != 0:
         yield
         return
-    with pipeline_lock(path, what, config.orchestration.lock_timeout_s, on_wait):
+    what = f"journeys {stage}"
+
+    def tell(message: str) -> None:
+        print(f"{what}: {message}", file=sys.stderr, flush=True)
+
+    with hold_lock(path, what, config.orchestration.lock_timeout_s, on_wait or tell):
         os.environ[HELD_ENV] = str(path)
         try:
             yield

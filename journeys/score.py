@@ -595,9 +595,9 @@ def score_command(
         "scored_at": _now(),
         "run_id": run.run_id if run else None,
     }
-    # journeys.data imports Lightning (~4 s): import it before the clock starts so the
+    # journeys.encoding imports Lightning (~4 s): import it before the clock starts so the
     # reported journeys/s measures scoring, not start-up.
-    import journeys.data  # noqa: F401
+    import journeys.encoding  # noqa: F401
 
     started = time.perf_counter()
     try:

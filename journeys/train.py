@@ -18,7 +18,7 @@
    table compares every model on the test split.
 
 The Lightning pieces (data module, module, schedule, weight average, Trainer) are in
-`journeys.training`; the one inference path in `journeys.inference`.
+`journeys.lightning_parts`; the one inference path in `journeys.inference`.
 
 `--resume` continues the last interrupted training from its `last.ckpt`, in the same
 MLflow run: `paths.checkpoints/latest.json` records the run id beside the checkpoints.
@@ -45,7 +45,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from journeys import metrics as M
 from journeys import packaging, plots, tracking
 from journeys.config import redact_uri
-from journeys.data import fraction_of_negatives, model_config_from
 from journeys.datasets import (
     SPLITS,
     check_trainable,
@@ -54,10 +53,11 @@ from journeys.datasets import (
     scan_journeys,
     small_evaluation_warning,
 )
+from journeys.encoding import fraction_of_negatives, model_config_from
 from journeys.errors import JourneysError, first_line, run_status
 from journeys.in_flight import QuietSurvival
 from journeys.inference import attention_by_token, run_model
-from journeys.training import (
+from journeys.lightning_parts import (
     LAST_CHECKPOINT,
     JourneyDataModule,
     JourneyModule,

@@ -236,7 +236,7 @@ def test_leak_free_sequences_hold_no_outcome_event(tmp_path: Path):
 
 
 def test_one_causal_pass_scores_each_prefix_as_if_scored_alone(tmp_path: Path):
-    from journeys.data import model_config_from
+    from journeys.encoding import model_config_from
     from journeys.model import JourneyTransformer
 
     config = bench.make_config("reference", bench.SAMPLE_RAW, tmp_path, ["vocab.min_count=1"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from journeys.data import (
+from journeys.encoding import (
     EpochRandomSampler,
     JourneyCollator,
     LengthGroupedBatchSampler,
@@ -22,7 +22,7 @@ from journeys.data import (
     time_bucket_expr,
 )
 from journeys.errors import InputError
-from journeys.training import JourneyDataModule
+from journeys.lightning_parts import JourneyDataModule
 from journeys.vocab import Vocabularies, Vocabulary
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -335,7 +335,7 @@ def test_negative_sampling_keeps_every_positive_and_a_fresh_share_of_negatives(f
 
 def test_batches_feed_the_model(tmp_path, frame) -> None:
     from journeys.config import Model
-    from journeys.data import model_config_from
+    from journeys.encoding import model_config_from
     from journeys.model import JourneyTransformer
 
     frame.write_parquet(tmp_path / "journeys.parquet")
@@ -358,7 +358,7 @@ def test_time_encodings_read_gaps_durations_and_local_time(frame: pl.DataFrame) 
     the first event (kept events only), and the local hour and weekday on a circle."""
     import math
 
-    from journeys.data import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
+    from journeys.encoding import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
 
     encoded = encode_journeys(frame, VOCABS, 32, continuous=ContinuousInputs("Asia/Kolkata"))
     assert encoded.continuous is not None
@@ -392,8 +392,8 @@ def test_gaps_and_durations_restart_at_every_journey(max_len: int | None) -> Non
     (`gap_seconds_expr`) gives, however long the previous journey ran."""
     import math
 
-    from journeys.data import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
-    from journeys.data import gap_seconds_expr as per_list_gaps
+    from journeys.encoding import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
+    from journeys.encoding import gap_seconds_expr as per_list_gaps
 
     starts = [0, 10, 5_000, 3, 86_400]  # later journeys start before earlier ones end too
     rows = [

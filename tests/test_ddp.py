@@ -29,9 +29,9 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
     from torchmetrics.classification import BinaryAUROC
 
     from journeys.inference import run_model
+    from journeys.lightning_parts import JourneyDataModule
     from journeys.model import JourneyTransformer, ModelConfig
     from journeys.packaging import load_model
-    from journeys.training import JourneyDataModule
     from journeys.vocab import Vocabularies
 
     folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)

@@ -516,18 +516,18 @@ def test_each_stage_hashes_every_library_module_it_runs() -> None:
 
 
 def test_stage_lock_keeps_a_second_writer_out(tmp_path: Path) -> None:
-    from journeys.pipeline_lock import pipeline_lock
+    from journeys.pipeline_lock import hold_lock
 
     lock = tmp_path / ".journeys.lock"
     waited: list[str] = []
     with (
-        pipeline_lock(lock, "journeys ingest"),
+        hold_lock(lock, "journeys ingest"),
         pytest.raises(JourneysError, match="still locked by journeys ingest"),
-        pipeline_lock(lock, "journeys score", timeout=0.3, on_wait=waited.append),
+        hold_lock(lock, "journeys score", timeout=0.3, on_wait=waited.append),
     ):
         pass
     assert waited and "journeys ingest" in waited[0]
-    with pipeline_lock(lock, "journeys score", timeout=0.3):  # released: free again
+    with hold_lock(lock, "journeys score", timeout=0.3):  # released: free again
         pass
 
 

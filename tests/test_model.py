@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from journeys.config import Model
-from journeys.data import model_config_from, model_config_from_sizes
+from journeys.encoding import model_config_from, model_config_from_sizes
 from journeys.model import JourneyTransformer, ModelConfig, attention_rollout
 from journeys.vocab import Vocabularies, Vocabulary
 
@@ -318,7 +318,7 @@ def fit_and_test_auc(model: JourneyTransformer, train, test, epochs: int) -> flo
     """A few epochs of plain AdamW on `train` (EncodedJourneys), then test ROC AUC."""
     from sklearn.metrics import roc_auc_score
 
-    from journeys.data import make_dataloader
+    from journeys.encoding import make_dataloader
     from journeys.inference import run_model
 
     optimiser = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -339,7 +339,7 @@ def fit_and_test_auc(model: JourneyTransformer, train, test, epochs: int) -> flo
 def test_time_encodings_let_the_model_learn_the_hour_of_day(time_encodings: bool) -> None:
     """The hour of day is invisible to gap buckets: a model learns a conversion that
     depends on it only with `model.time_encodings` (AUC ~0.5 without, near 1 with)."""
-    from journeys.data import ContinuousInputs, encode_journeys
+    from journeys.encoding import ContinuousInputs, encode_journeys
 
     vocabs = Vocabularies(by_column={"event_type": Vocabulary(("<pad>", "<unk>", "view", "click"))})
     settings = Model(d_model=16, n_heads=2, n_layers=1, time_encodings=time_encodings)

@@ -20,7 +20,7 @@ from test_model import fit_and_test_auc
 
 from journeys import baselines
 from journeys.config import Model, load_config
-from journeys.data import (
+from journeys.encoding import (
     NUMERIC_INPUTS,
     ContinuousInputs,
     NumericScaling,
@@ -29,7 +29,7 @@ from journeys.data import (
     numeric_bucket_edges,
     numeric_scaling,
 )
-from journeys.data import model_config_from as sized
+from journeys.encoding import model_config_from as sized
 from journeys.errors import InputError
 from journeys.ingest import ingest, run_ingest
 from journeys.model import JourneyTransformer

@@ -16,10 +16,10 @@ import torch
 from conftest import make_journeys_dataset
 
 from journeys.config import load_config
-from journeys.data import JourneyBatch
+from journeys.encoding import JourneyBatch
 from journeys.errors import ConfigError
+from journeys.lightning_parts import JourneyModule
 from journeys.model import ModelConfig
-from journeys.training import JourneyModule
 
 CAUSAL = ModelConfig(vocab_size=8, d_model=8, n_heads=2, n_layers=1, causal=True, max_len=16)
 EVERY_PREFIX = ["model.causal=true", "train.objective=every_prefix"]
@@ -128,9 +128,9 @@ def test_a_short_fit_trains_every_prefix_and_the_last_prefix_is_the_journey(
     import lightning as L
 
     from journeys import metrics as M
-    from journeys.data import model_config_from
+    from journeys.encoding import model_config_from
     from journeys.inference import run_model
-    from journeys.training import JourneyDataModule, build_trainer
+    from journeys.lightning_parts import JourneyDataModule, build_trainer
     from journeys.vocab import Vocabularies
 
     make_journeys_dataset(tmp_path / "journeys", n=300, seed=0)

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from journeys.cli import main
-from journeys.pipeline_lock import HELD_ENV, LOCK_FILE, pipeline_lock
+from journeys.pipeline_lock import HELD_ENV, LOCK_FILE, hold_lock
 from journeys.storage import sweep_crash_litter
 from tests.conftest import make_journeys_dataset
 
@@ -694,7 +694,7 @@ def test_a_cli_stage_waits_for_the_data_folders_lock_and_says_who_holds_it(
     writes nothing. A process the holder started (its training subprocess) goes ahead."""
     monkeypatch.delenv(HELD_ENV, raising=False)
     quick = ("--set", "orchestration.lock_timeout=1s")
-    with pipeline_lock(tmp_path / LOCK_FILE, "journeys score"):
+    with hold_lock(tmp_path / LOCK_FILE, "journeys score"):
         code, err = ingest_in_process(logs["new"], tmp_path, *quick)
         notice, error = err.strip().splitlines()  # told once why it waits, then the error
         assert code == 2 and "waiting for journeys score" in notice, err

@@ -15,8 +15,8 @@ from conftest import EVENT_TYPES, make_journeys_dataset
 from journeys import packaging
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.data import ContinuousInputs, JourneyCollator, encode_journeys, model_config_from
 from journeys.datasets import is_journeys_dataset, read_metadata, scores_schema
+from journeys.encoding import ContinuousInputs, JourneyCollator, encode_journeys, model_config_from
 from journeys.ingest import run_ingest
 from journeys.model import JourneyTransformer
 from journeys.score import score_command, score_frame, scoring_config

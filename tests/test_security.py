@@ -31,7 +31,7 @@ URI_WITH_PASSWORD = f"http://alice:{SECRET}@127.0.0.1:9"
 def model(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A model folder exactly as `journeys train` logs it (the five artifact files), with
     untrained weights: what is loaded matters here, not how well it scores."""
-    from journeys.data import model_config_from
+    from journeys.encoding import model_config_from
     from journeys.model import JourneyTransformer
     from journeys.packaging import preprocessing_settings, save_model_files
     from journeys.vocab import Vocabularies

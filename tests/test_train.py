@@ -277,7 +277,7 @@ def test_validation_every_n_epochs_still_validates_the_last(
 
 
 def test_ema_update_ramps_up_then_keeps_the_configured_decay() -> None:
-    from journeys.training import EMA_WARMUP, ema_update
+    from journeys.lightning_parts import EMA_WARMUP, ema_update
 
     averaged, current = torch.zeros(3), torch.ones(3)
     first = ema_update(averaged, current, torch.tensor(0), decay=0.999)
@@ -328,7 +328,7 @@ def test_missing_dataset_fails_before_any_compute(tmp_path: Path, mlflow_env: st
 
 
 def test_lr_schedule_warms_up_then_decays() -> None:
-    from journeys.training import lr_factor
+    from journeys.lightning_parts import lr_factor
 
     warm = [lr_factor(s, 10, 100, "inverse_sqrt") for s in range(10)]
     assert warm == sorted(warm) and warm[-1] == 1.0
@@ -339,9 +339,9 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 
 
 def test_loss_uses_label_smoothing_and_pos_weight() -> None:
-    from journeys.data import JourneyBatch
+    from journeys.encoding import JourneyBatch
+    from journeys.lightning_parts import JourneyModule
     from journeys.model import ModelConfig
-    from journeys.training import JourneyModule
 
     settings = load_config(None, ["train.label_smoothing=0.2", "train.pos_weight=3"]).train
     module = JourneyModule(
@@ -375,7 +375,7 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
     import lightning as L
 
     from journeys import train
-    from journeys.data import fraction_of_negatives
+    from journeys.encoding import fraction_of_negatives
     from journeys.packaging import load_model
 
     make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
@@ -439,7 +439,7 @@ def test_step_floor_keeps_every_negative_on_small_data(tmp_path: Path, mlflow_en
 
 
 def test_step_floor_counts_every_rank_batch() -> None:
-    from journeys.training import min_epoch_journeys
+    from journeys.lightning_parts import min_epoch_journeys
 
     settings = load_config(None, ["train.min_steps=3000", "train.max_epochs=12"]).train
     assert min_epoch_journeys(settings, world_size=1) == 250 * 256  # ceil(3000 / 12) steps
@@ -451,8 +451,8 @@ def configured_optimizer(*overrides: str) -> torch.optim.Optimizer:
     """The optimizer `JourneyModule` builds for a tiny model under these config overrides."""
     import lightning as L
 
+    from journeys.lightning_parts import JourneyModule
     from journeys.model import ModelConfig
-    from journeys.training import JourneyModule
 
     settings = load_config(None, list(overrides))
     module = JourneyModule(

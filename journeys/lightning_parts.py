@@ -29,7 +29,8 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAUROC
 
-from journeys.data import (
+from journeys.datasets import SPLITS, labelled, scan_journeys
+from journeys.encoding import (
     DEFAULT_BUCKET_BATCHES,
     ContinuousInputs,
     EncodedJourneys,
@@ -40,7 +41,6 @@ from journeys.data import (
     numeric_scaling,
     sample_negatives,
 )
-from journeys.datasets import SPLITS, labelled, scan_journeys
 from journeys.errors import ConfigError, InputError
 from journeys.model import JourneyTransformer, ModelConfig
 from journeys.vocab import Vocabularies

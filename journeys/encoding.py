@@ -6,7 +6,7 @@
   batch's longest journey (right padding, id 0) in a few vectorised gathers.
 - `LengthGroupedBatchSampler` sorts journeys by length inside large random buckets so that
   batches hold journeys of similar length and little compute goes to padding.
-- `journeys.training.JourneyDataModule` (Lightning) serves these loaders for train/val/test;
+- `journeys.lightning_parts.JourneyDataModule` (Lightning) serves these loaders for train/val/test;
   this module itself does not import Lightning, so scoring starts fast.
 - `model_config_from` sizes a `ModelConfig` from the `model` config section and the
   vocabularies (the model file itself knows nothing of the configuration).
