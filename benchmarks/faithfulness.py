@@ -238,7 +238,7 @@ def deletion_table(
     """Mean drop in probability after deleting the top-k events vs k random events."""
     from journeys.score import score_frame
 
-    lists = ["event_type", "event_time", *loaded.vocabs.features]
+    lists = ["event_type", "event_time", *loaded.encoder.vocabs.features]
 
     def probability(journeys: pl.DataFrame) -> pl.DataFrame:
         rebuilt = journeys.join(frame.select("journey_id", "user_id"), on="journey_id")
@@ -293,9 +293,9 @@ class Outcome:
 
 def evaluate(model_uri: str, tracking: str | None, work: Path, args: argparse.Namespace) -> Outcome:
     from journeys.config import load_config
-    from journeys.packaging import load_model
     from journeys.score import score_input
     from journeys.simulate import simulate
+    from journeys.trained_model import load_model
 
     loaded = load_model(model_uri, tracking_uri=tracking)
     eval_seed = args.seed + EVAL_SEED_OFFSET
@@ -333,7 +333,7 @@ def evaluate(model_uri: str, tracking: str | None, work: Path, args: argparse.Na
     details = {
         "model": f"{loaded.model_uri} (version {loaded.model_version})",
         "model_config": {
-            k: loaded.model_config.get(k)
+            k: getattr(loaded.config, k)
             for k in ("d_model", "n_heads", "n_layers", "pooling", "causal")
         },
         "eval_journeys": scored.rows,

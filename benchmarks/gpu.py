@@ -180,8 +180,8 @@ def measure_end_to_end(device: torch.device, users: int, repeats: int) -> list[d
     import tempfile
 
     from benchmarks.score import bare_batches, prepare, random_model
-    from journeys.packaging import load_model
     from journeys.score import chunks_in_pool, score_dataset
+    from journeys.trained_model import load_model
 
     folder = prepare(users)
     loaded = load_model(str(random_model(folder)))

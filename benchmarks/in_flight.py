@@ -70,10 +70,10 @@ def replay(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from journeys.config import load_config
     from journeys.ingest import run_ingest
     from journeys.metrics import binary_metrics
-    from journeys.packaging import load_model
     from journeys.score import score_command
     from journeys.simulate import simulate
     from journeys.train import train_command
+    from journeys.trained_model import load_model
 
     work = args.workdir
     start = datetime(2026, 1, 1, tzinfo=UTC)

@@ -180,8 +180,8 @@ def model_logits(config, run_id: str, test: TestTruth) -> np.ndarray:
     """The logged model's logits on the test journeys, loaded as `journeys score` loads it."""
     import mlflow
 
-    from journeys.packaging import load_model
     from journeys.tracking import tracking_uri
+    from journeys.trained_model import load_model
 
     mlflow.set_tracking_uri(tracking_uri(config))
     return load_model(f"runs:/{run_id}/model").predict_logits(test.journeys)

@@ -95,12 +95,13 @@ def prepare(users: int) -> Path:
 
 def random_model(journeys: Path) -> Path:
     """The default architecture with random weights, saved as the product's model files."""
+    import polars as pl
     import torch
 
-    from journeys import packaging
     from journeys.config import load_config
-    from journeys.encoding import model_config_from
+    from journeys.encoding import JourneyEncoder, model_config_from
     from journeys.model import JourneyTransformer
+    from journeys.trained_model import JourneyRules, TrainedModel
     from journeys.vocab import Vocabularies
 
     folder = WORK / "model"
@@ -109,7 +110,15 @@ def random_model(journeys: Path) -> Path:
     torch.manual_seed(0)
     settings = model_config_from(config.model, vocabs, config.journey.max_events)
     model = JourneyTransformer(settings).eval()
-    packaging.save_model_files(folder, model, vocabs, packaging.preprocessing_settings(config))
+    # No numeric feature in the default configuration: nothing to fit the encoder on.
+    encoder = JourneyEncoder.fit(
+        pl.DataFrame(),
+        vocabs,
+        config.model,
+        max_len=settings.max_len,
+        timezone=config.data.timezone,
+    )
+    TrainedModel(model, encoder, JourneyRules.from_config(config)).save(folder)
     return folder
 
 
@@ -136,8 +145,8 @@ def child(spec: dict) -> dict:
     import journeys.encoding  # Lightning (~4 s): imported before any clock starts
     import journeys.inference
     import journeys.score
-    from journeys.packaging import load_model
     from journeys.score import score_dataset
+    from journeys.trained_model import load_model
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])

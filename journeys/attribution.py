@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
     from journeys.config import Attribution as AttributionSettings
     from journeys.config import Config
-    from journeys.packaging import LoadedModel
+    from journeys.trained_model import TrainedModel
 
 START, CONVERSION, NULL = "(start)", "(conversion)", "(null)"
 OTHER = "(other)"  # rare touchpoints lumped together for the Markov chain
@@ -355,14 +355,14 @@ def markov_attribution(paths: pl.LazyFrame, max_states: int) -> MarkovResult:
 
 
 def integrated_gradients_frame(
-    loaded: LoadedModel, frame: pl.DataFrame, steps: int | None = None
+    trained: TrainedModel, frame: pl.DataFrame, steps: int | None = None
 ) -> pl.Series:
     """IG per event for a journeys/scores frame: a list[float32] per journey, aligned with
     the (model-length) lists of `journeys.score.score_frame`."""
     from journeys.inference import IG_STEPS, list_series, run_integrated_gradients
 
-    encoded = loaded.encode(frame)
-    values = run_integrated_gradients(loaded.model, encoded, steps or IG_STEPS)
+    encoded = trained.encode(frame)
+    values = run_integrated_gradients(trained.model, encoded, steps or IG_STEPS)
     return list_series("integrated_gradients", encoded.offsets.numpy(), values)
 
 
@@ -383,7 +383,7 @@ def normalised_positive(frame: pl.DataFrame | pl.LazyFrame, column: str, out: st
 
 
 def explain_sample(
-    loaded: LoadedModel, converted: pl.LazyFrame, sample: int, seed: int
+    trained: TrainedModel, converted: pl.LazyFrame, sample: int, seed: int
 ) -> pl.DataFrame:
     """A random sample of converting journeys with their `integrated_gradients` lists."""
     ids = converted.select("journey_id").collect().get_column("journey_id")
@@ -392,7 +392,7 @@ def explain_sample(
     frame = converted.filter(pl.col("journey_id").is_in(ids.implode())).collect()
     if frame.height == 0:
         return frame.with_columns(integrated_gradients=pl.lit(None, pl.List(pl.Float32)))
-    return frame.with_columns(integrated_gradients_frame(loaded, frame))
+    return frame.with_columns(integrated_gradients_frame(trained, frame))
 
 
 def ig_credit(explained: pl.DataFrame, dimension: str) -> tuple[pl.DataFrame, int]:
@@ -428,7 +428,7 @@ class AttributionReport:
 def build_report(
     scores: pl.LazyFrame,
     *,
-    loaded: LoadedModel | None = None,
+    trained: TrainedModel | None = None,
     settings: AttributionSettings | None = None,
 ) -> AttributionReport:
     """Every table, summary fact and figure of the report (nothing written yet).
@@ -456,10 +456,10 @@ def build_report(
 
     summary: dict[str, Any] = {}
     explained = None
-    if loaded is not None and settings.ig_sample > 0:
+    if trained is not None and settings.ig_sample > 0:
         from journeys.inference import IG_STEPS
 
-        explained = explain_sample(loaded, converted, settings.ig_sample, settings.seed)
+        explained = explain_sample(trained, converted, settings.ig_sample, settings.seed)
         summary |= {"ig_sample": explained.height, "ig_steps": IG_STEPS}
 
     credits, transitions, removals, figures = [], [], [], {}
@@ -550,16 +550,16 @@ def attribute(
     scores: str | Path | pl.LazyFrame,
     out: str | Path,
     *,
-    loaded: LoadedModel | None = None,
+    trained: TrainedModel | None = None,
     settings: AttributionSettings | None = None,
 ) -> AttributionReport:
     """Build the report from scores (a folder, a file or a LazyFrame) and write it to `out`.
 
-    With `loaded` (the model that produced the scores) integrated gradients are added on
+    With `trained` (the model that produced the scores) integrated gradients are added on
     a sample of `settings.ig_sample` converting journeys.
     """
     frame = scores if isinstance(scores, pl.LazyFrame) else scan_scores(scores)
-    report = build_report(frame, loaded=loaded, settings=settings)
+    report = build_report(frame, trained=trained, settings=settings)
     write_report(report, out)
     return report
 
@@ -570,10 +570,10 @@ def attribute_command(
     """`journeys attribute`: the report from existing scores into `paths.reports`.
 
     The model named in the scores is reloaded for integrated gradients (skipped, with a
-    warning, when it cannot be loaded); the report is logged to the scoring run when the
+    warning, when it cannot be trained); the report is logged to the scoring run when the
     scores name one and the tracking store exists.
     """
-    from journeys.tracking import tracking_ready, tracking_uri
+    from journeys.tracking import mlflow_run, tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     scores = Path(scores or config.paths.scores)
@@ -582,30 +582,30 @@ def attribute_command(
     metadata = read_metadata(scores)
     store = tracking_uri(config)
     settings = config.attribution
-    loaded = _load_scoring_model(metadata, store) if settings.ig_sample else None
-    report = attribute(frame, out, loaded=loaded, settings=settings)
+    trained = _load_scoring_model(metadata, store) if settings.ig_sample else None
+    report = attribute(frame, out, trained=trained, settings=settings)
     print_credit(report)
     if "note" in report.summary:
         print(report.summary["note"])
     print(f"attribution report -> {out}")
     run_id = metadata.get("run_id")
-    if run_id and tracking_ready(store):
-        try:
-            from mlflow import MlflowClient
-
-            MlflowClient(tracking_uri=store).log_artifacts(run_id, str(out), "attribution")
-        except Exception as err:  # the report is written; logging is a bonus
-            _warn(f"could not log the report to MLflow run {run_id}: {first_line(err)}")
+    if run_id:  # into the scoring run, when the store is there
+        with mlflow_run(store, config.mlflow.experiment, run_id=run_id, optional=True) as run:
+            try:
+                if run:
+                    run.log_artifacts(out, "attribution")
+            except Exception as err:  # the report is written; logging is a bonus
+                _warn(f"could not log the report to MLflow run {run_id}: {first_line(err)}")
     return report
 
 
 _ALIAS_URI = re.compile(r"models:/(?P<name>[^/@]+)@[^/]+/?")
 
 
-def _load_scoring_model(metadata: dict[str, Any], store: str) -> LoadedModel | None:
+def _load_scoring_model(metadata: dict[str, Any], store: str) -> TrainedModel | None:
     """The exact model version that wrote the scores (an alias may have moved since)."""
-    from journeys.packaging import load_model
     from journeys.tracking import tracking_ready
+    from journeys.trained_model import load_model
 
     uri = metadata.get("model_uri")
     if not uri:

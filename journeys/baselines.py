@@ -27,7 +27,6 @@ import numpy as np
 import polars as pl
 
 from journeys.datasets import MISSING_VALUE
-from journeys.errors import run_status
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_matrix
@@ -387,17 +386,14 @@ def run_baselines(
     train: pl.DataFrame,
     test: pl.DataFrame,
     config: Config,
-    experiment_id: str,
     workdir: Path,
     tags: dict[str, str] | None = None,
 ) -> list[BaselineResult]:
     """Fit, score and log each baseline as its own MLflow run; return their test metrics."""
-    from mlflow import MlflowClient
-
     from journeys import metrics as M
     from journeys import plots, tracking
 
-    client = MlflowClient(tracking_uri=tracking.tracking_uri(config))
+    uri = tracking.tracking_uri(config)
     labels = _labels(test)
     results = []
     for name in names:
@@ -415,25 +411,17 @@ def run_baselines(
         )
         scores = M.binary_metrics(labels, probs)
         family = f"baseline_{name}"
-        run = client.create_run(
-            experiment_id,
-            run_name=family,
-            tags={tracking.MODEL_FAMILY_TAG: family, **(tags or {})},
-        )
-        run_id = run.info.run_id
-        try:
-            tracking.log_config(client, run_id, config)
-            tracking.log_ingest_report(client, run_id, config.paths.journeys)
-            tracking.log_metrics(
-                client, run_id, {**scores, "n_train": train.height, "n_test": test.height}
-            )
+        family_tags = {tracking.MODEL_FAMILY_TAG: family, **(tags or {})}
+        with tracking.mlflow_run(
+            uri, config.mlflow.experiment, name=family, tags=family_tags
+        ) as run:
+            tracking.log_config(run, config)
+            tracking.log_ingest_report(run, config.paths.journeys)
+            run.log_metrics({**scores, "n_train": train.height, "n_test": test.height})
             folder = workdir / family
             for plot in (plots.plot_roc, plots.plot_pr, plots.plot_calibration):
-                path = plot(labels, {family: probs}, folder / f"{plot.__name__[5:]}.png")
-                client.log_artifact(run_id, str(path), "plots")
-        except BaseException as err:
-            client.set_terminated(run_id, run_status(err))
-            raise
-        client.set_terminated(run_id, "FINISHED")
-        results.append(BaselineResult(name, run_id, scores, probs))
+                run.log_artifact(
+                    plot(labels, {family: probs}, folder / f"{plot.__name__[5:]}.png"), "plots"
+                )
+        results.append(BaselineResult(name, run.run_id, scores, probs))
     return results

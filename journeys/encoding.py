@@ -443,6 +443,66 @@ def encode_journeys(
     )
 
 
+@dataclass(frozen=True)
+class JourneyEncoder:
+    """What turns a journeys frame (ingest schema) into the model's input: the train
+    vocabularies, the time-bucket resolution, the most recent events read (`max_len`) and
+    the continuous inputs with train's numeric scaling. Fitted on the train split once
+    (`fit`), stored with the model (`journeys.trained_model`), applied unchanged when
+    scoring: training and scoring encode through this one object."""
+
+    vocabs: Vocabularies
+    n_time_buckets: int
+    max_len: int
+    inputs: ContinuousInputs = ContinuousInputs()
+
+    @classmethod
+    def fit(
+        cls,
+        train: pl.DataFrame,
+        vocabs: Vocabularies,
+        settings: Model,
+        *,
+        max_len: int,
+        timezone: str,
+        numeric_features: Sequence[str] = (),
+    ) -> JourneyEncoder:
+        """Fit on the train split: numeric scaling (and bucket edges with
+        `model.numeric_encoding: buckets`); time encodings read in `timezone` when
+        `model.time_encodings` is on."""
+        names = list(numeric_features)
+        edges = (
+            numeric_bucket_edges(train, names, settings.numeric_buckets)
+            if settings.numeric_encoding == "buckets"
+            else ()
+        )
+        inputs = ContinuousInputs(
+            timezone if settings.time_encodings else None,
+            numeric_scaling(train, names),
+            bucket_edges=edges,
+        )
+        return cls(vocabs, settings.time_buckets, max_len, inputs)
+
+    @property
+    def features(self) -> list[str]:
+        """The categorical features the model reads, in vocabulary order."""
+        return self.vocabs.features
+
+    @property
+    def numeric_features(self) -> list[str]:
+        return self.inputs.numeric_names
+
+    @property
+    def event_columns(self) -> list[str]:
+        """The per-event columns read besides event types and times (as
+        `config.Data.event_columns`): features, then numbers."""
+        return [*self.features, *self.numeric_features]
+
+    def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
+        """`frame` as the model's input, in the frame's row order."""
+        return encode_journeys(frame, self.vocabs, self.n_time_buckets, self.max_len, self.inputs)
+
+
 def bucket_ids(values: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
     """int32 bucket id per value: 1 where missing (NaN), else 2 + the edges at or below it."""
     ids = np.searchsorted(np.asarray(edges, dtype=np.float64), values, side="right") + 2

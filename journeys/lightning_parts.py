@@ -29,16 +29,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAUROC
 
+from journeys.config import Model
 from journeys.datasets import SPLITS, labelled, scan_journeys
 from journeys.encoding import (
     DEFAULT_BUCKET_BATCHES,
-    ContinuousInputs,
     EncodedJourneys,
     JourneyBatch,
-    encode_journeys,
+    JourneyEncoder,
     make_dataloader,
-    numeric_bucket_edges,
-    numeric_scaling,
     sample_negatives,
 )
 from journeys.errors import ConfigError, InputError
@@ -80,7 +78,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
 
 
 class JourneyDataModule(L.LightningDataModule):
-    """Train/val/test loaders from the journeys folder's `split` column.
+    """Train/val/test loaders from the journeys folder's `split` column, encoded by a
+    `JourneyEncoder` fitted on the train split at `setup` (what the trained model keeps).
 
     Censored journeys (unknown label, split `none`) are never in train/val/test. Scoring
     does not go through here: `journeys.inference.run_model` batches any encoded frame.
@@ -91,8 +90,10 @@ class JourneyDataModule(L.LightningDataModule):
         journeys_dir: str | Path,
         vocabs: Vocabularies | None = None,
         *,
-        n_time_buckets: int = 32,
-        max_len: int | None = None,
+        max_len: int,
+        model_settings: Model | None = None,
+        timezone: str = "UTC",
+        numeric_features: list[str] | None = None,
         batch_size: int = 256,
         eval_batch_size: int | None = None,
         num_workers: int = 0,
@@ -100,15 +101,14 @@ class JourneyDataModule(L.LightningDataModule):
         group_by_length: bool = True,
         bucket_batches: int = DEFAULT_BUCKET_BATCHES,
         negative_fraction: float = 1.0,
-        time_encodings_timezone: str | None = None,
-        numeric_features: list[str] | None = None,
-        numeric_buckets: int = 0,
     ) -> None:
         super().__init__()
         self.journeys_dir = Path(journeys_dir)
         self._vocabs = vocabs
-        self.n_time_buckets = n_time_buckets
         self.max_len = max_len
+        self.model_settings = model_settings or Model()
+        self.timezone = timezone
+        self.numeric_features = list(numeric_features or [])
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
@@ -116,10 +116,7 @@ class JourneyDataModule(L.LightningDataModule):
         self.group_by_length = group_by_length
         self.bucket_batches = bucket_batches
         self.negative_fraction = negative_fraction
-        self.numeric_features = list(numeric_features or [])
-        self.numeric_buckets = numeric_buckets  # 0: numbers go in by projection
-        # The time zone of the time encodings, and train's numeric scaling once set up.
-        self.continuous = ContinuousInputs(time_encodings_timezone)
+        self.encoder: JourneyEncoder | None = None  # fitted on train at setup
         self.splits: dict[str, EncodedJourneys] = {}
 
     @classmethod
@@ -129,17 +126,14 @@ class JourneyDataModule(L.LightningDataModule):
         return cls(
             config.paths.journeys,
             vocabs,
-            n_time_buckets=config.model.time_buckets,
             max_len=config.journey.max_events,
+            model_settings=config.model,
+            timezone=config.data.timezone,
+            numeric_features=config.data.numeric_features,
             batch_size=config.train.batch_size,
             num_workers=config.train.num_workers,
             seed=config.train.seed,
             negative_fraction=negative_fraction,
-            time_encodings_timezone=config.data.timezone if config.model.time_encodings else None,
-            numeric_features=config.data.numeric_features,
-            numeric_buckets=(
-                config.model.numeric_buckets if config.model.numeric_encoding == "buckets" else 0
-            ),
         )
 
     @property
@@ -147,11 +141,6 @@ class JourneyDataModule(L.LightningDataModule):
         if self._vocabs is None:
             self._vocabs = Vocabularies.load(self.journeys_dir)
         return self._vocabs
-
-    def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
-        return encode_journeys(
-            frame, self.vocabs, self.n_time_buckets, self.max_len, self.continuous
-        )
 
     def _columns(self) -> list[str]:
         return [
@@ -166,16 +155,16 @@ class JourneyDataModule(L.LightningDataModule):
             labelled(scan_journeys(self.journeys_dir)).select("split", *self._columns()).collect()
         )
         # Numbers are scaled with the train split's statistics only, stored with the model.
-        train = frame.filter(pl.col("split") == "train")
-        scaling = numeric_scaling(train, self.numeric_features)
-        edges = (
-            numeric_bucket_edges(train, self.numeric_features, self.numeric_buckets)
-            if self.numeric_buckets
-            else ()
+        self.encoder = JourneyEncoder.fit(
+            frame.filter(pl.col("split") == "train"),
+            self.vocabs,
+            self.model_settings,
+            max_len=self.max_len,
+            timezone=self.timezone,
+            numeric_features=self.numeric_features,
         )
-        self.continuous = ContinuousInputs(self.continuous.timezone, scaling, bucket_edges=edges)
         for split in SPLITS:
-            self.splits[split] = self.encode(frame.filter(pl.col("split") == split))
+            self.splits[split] = self.encoder.encode(frame.filter(pl.col("split") == split))
 
     def _loader(self, split: str, shuffle: bool, subset: torch.Tensor | None = None) -> DataLoader:
         if not self.splits:

@@ -48,7 +48,12 @@ INIT_STD = 0.02  # nanoGPT / GPT-2 initialisation of linear layers
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of `JourneyTransformer`; plain values so it round-trips through JSON."""
+    """Hyper-parameters of `JourneyTransformer`; plain values so it round-trips through JSON.
+
+    The defaults are the product's (`journeys.config.Model` and `Journey`, with time
+    encodings on and no numeric feature): a model built here is the one the product ships
+    (a test keeps them equal). Only the vocabulary sizes have none: they come from the data.
+    """
 
     vocab_size: int
     feature_vocab_sizes: tuple[int, ...] = ()
@@ -59,14 +64,16 @@ class ModelConfig:
     dropout: float = 0.0  # on the summed embeddings and on each residual branch
     attention_dropout: float = 0.0  # on the attention weights
     positional: Positional = "sinusoidal"
-    position_origin: PositionOrigin = "start"
+    position_origin: PositionOrigin = "end"
     norm: Norm = "pre"
-    pooling: Pooling = "cls"
+    pooling: Pooling = "last"
     causal: bool = False
     max_len: int = 64
-    # Time buckets >= this one open a visit; None: no visit-gap embedding.
-    visit_bucket: int | None = None
-    n_continuous: int = 0  # continuous inputs per event, projected and added (0: none)
+    # Time buckets >= this one open a visit (11: the product's 30 minutes with 32 buckets);
+    # None: no visit-gap embedding.
+    visit_bucket: int | None = 11
+    # Continuous inputs per event, projected and added (6: the time encodings); 0: none.
+    n_continuous: int = 6
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -444,13 +451,6 @@ class JourneyTransformer(nn.Module):
             return rows, real / real.sum(dim=1, keepdim=True).clamp(min=1)
         rows = (lengths - 1).clamp(min=0)[:, None]
         return rows, torch.ones(batch, 1, device=seq_mask.device)
-
-    @torch.no_grad()
-    def predict_proba(
-        self, tokens: Tensor, features: Tensor, time_buckets: Tensor, mask: Tensor
-    ) -> Tensor:
-        """Conversion probability per journey [B] (call `eval()` first to disable dropout)."""
-        return torch.sigmoid(self(tokens, features, time_buckets, mask).logits)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

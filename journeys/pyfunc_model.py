@@ -2,7 +2,7 @@
 
 MLflow copies this file into the logged model and runs it on `mlflow.pyfunc.load_model`;
 `load_context` then reads the model's files (JSON + safetensors) via
-`journeys.packaging.load_model_files`. Nothing is pickled, so the model loads with
+`journeys.trained_model.TrainedModel.load`. Nothing is pickled, so the model loads with
 `MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false`.
 
 `predict` takes journeys, one row per journey (a pandas or Polars DataFrame, records, or
@@ -32,9 +32,9 @@ class JourneyConversionModel(mlflow.pyfunc.PythonModel):
     _skip_type_hint_validation = True
 
     def load_context(self, context: Any) -> None:
-        from journeys.packaging import WEIGHTS, load_model_files
+        from journeys.trained_model import WEIGHTS, TrainedModel
 
-        self.loaded = load_model_files(Path(context.artifacts[WEIGHTS]).parent)
+        self.trained = TrainedModel.load(Path(context.artifacts[WEIGHTS]).parent)
 
     def predict(self, context, model_input, params=None):  # -> pandas.DataFrame
         import polars as pl
@@ -45,13 +45,13 @@ class JourneyConversionModel(mlflow.pyfunc.PythonModel):
         from journeys.score import score_frame
         from journeys.serving import SERVED_COLUMNS, journeys_from_request
 
-        loaded = self.loaded
+        trained = self.trained
         try:
             frame = journeys_from_request(
                 model_input,
-                loaded.vocabs.features,
-                loaded.preprocessing.get("timezone", "UTC"),
-                loaded.numeric_features,
+                trained.encoder.features,
+                trained.rules.timezone,
+                trained.encoder.numeric_features,
             )
         except JourneysError as err:
             # Only an MlflowException keeps its message: the scoring server answers any
@@ -59,7 +59,7 @@ class JourneyConversionModel(mlflow.pyfunc.PythonModel):
             raise MlflowException.invalid_parameter_value(first_line(err)) from None
         # score_frame copies ids through to the scores; a request has none.
         ids = [pl.lit(None, pl.String).alias(name) for name in ("journey_id", "user_id")]
-        scored = score_frame(loaded, frame.with_columns(ids), attention=Score().attention)
+        scored = score_frame(trained, frame.with_columns(ids), attention=Score().attention)
         return scored.select(c for c in SERVED_COLUMNS if c in scored.columns).to_pandas()
 
 

@@ -1,6 +1,6 @@
 """Batch scoring: journeys (or a raw event log) -> Parquet scores with per-event attention.
 
-`journeys score` (`score_command`) loads a logged model (`journeys.packaging.load_model`:
+`journeys score` (`score_command`) loads a logged model (`journeys.trained_model.load_model`:
 JSON + safetensors, never pickle) and writes one row per input journey, censored ones
 included, with the columns of the scores contract (`journeys.datasets.scores_schema`):
 
@@ -19,7 +19,7 @@ long it has been quiet (`journeys.in_flight`); a finished one's is the model's s
 
 Input is either a journeys dataset (a folder with `part-*.parquet` and `vocab.json`, as
 `journeys ingest` writes it) or a raw event log (file, folder or glob). A raw log is
-ingested into a temporary folder with the *model's* preprocessing settings and scored with
+ingested into a temporary folder with the *model's* journey rules and scored with
 the *model's* vocabularies: nothing is refitted, and an event type the model never saw maps
 to the unknown token. A model keeps only its last `max_len` events, so the list columns of
 a longer journey are cut to the events the model read and attention stays aligned with them.
@@ -80,17 +80,18 @@ from journeys.datasets import (
     scores_schema,
     scoring_columns,
 )
-from journeys.errors import ConfigError, InputError, first_line
+from journeys.errors import InputError, first_line
 from journeys.in_flight import cut_at, in_flight_probability, mark_open
 from journeys.storage import atomic_dir, scratch_dir
-from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, tracking_ready
+from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, mlflow_run, tracking_ready
 
 if TYPE_CHECKING:
     import torch
 
     from journeys.config import Config
     from journeys.model import AttentionMode
-    from journeys.packaging import LoadedModel
+    from journeys.tracking import TrackedRun
+    from journeys.trained_model import TrainedModel
 
 
 # ----------------------------------------------------------------------------- model side
@@ -101,7 +102,7 @@ def default_model_uri(config: Config) -> str:
 
 
 def score_frame(
-    loaded: LoadedModel,
+    trained: TrainedModel,
     frame: pl.DataFrame,
     *,
     attention: AttentionMode | None = "pooled",
@@ -117,11 +118,11 @@ def score_frame(
     from journeys.inference import list_series, run_model
     from journeys.metrics import sigmoid
 
-    max_len = loaded.max_len
-    features = loaded.event_columns
-    outputs = run_model(loaded.model, loaded.encode(frame), batch_size, attention, device)
+    max_len = trained.max_len
+    features = trained.encoder.event_columns
+    outputs = run_model(trained.model, trained.encode(frame), batch_size, attention, device)
 
-    temperature = float(loaded.temperature)
+    temperature = float(trained.temperature)
     columns: list[pl.Series | pl.Expr] = [
         pl.col("journey_id").cast(pl.String),
         pl.col("user_id").cast(pl.String),
@@ -141,47 +142,6 @@ def score_frame(
 
 
 # ----------------------------------------------------------------------------- input side
-
-
-def scoring_config(config: Config, preprocessing: dict[str, Any]) -> Config:
-    """`config` with the model's preprocessing settings, for ingesting a raw log to score.
-
-    The model decides what a journey is (features, event map, conversion and drop events,
-    max_gap, max_events, time zone, epoch unit). Column names describe the file being read,
-    so the current configuration's `data.columns` override the model's per logical name;
-    when it names none, the model's header and separator describe the file too. A mix
-    that cannot be read is one line (exit 2), not a traceback.
-    """
-    from pydantic import ValidationError
-
-    from journeys.config import Config
-
-    tree = config.model_dump()
-    data, journey = tree["data"], tree["journey"]
-    for key in (
-        "features", "numeric_features", "event_map", "conversion_events", "drop_events", "timezone"
-    ):  # fmt: skip
-        if key in preprocessing:
-            data[key] = preprocessing[key]
-    if "timestamp_unit" in preprocessing:
-        data["timestamp_unit"] = preprocessing["timestamp_unit"]
-    data["columns"] = {**preprocessing.get("columns", {}), **config.data.columns}
-    if not config.data.columns:
-        for key in ("header", "separator"):
-            data[key] = preprocessing.get(key, data[key])
-    for key in ("max_gap", "max_events", "after_conversion"):
-        if key in preprocessing:
-            journey[key] = preprocessing[key]
-    # A log to score may hold no conversion yet: its journeys are the open ones.
-    tree["ingest"]["require_conversions"] = False
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as err:
-        problem = err.errors()[0]["msg"].removeprefix("Value error, ")
-        raise ConfigError(
-            f"the model's preprocessing and this configuration disagree on the log to score: "
-            f"{problem}; pass the configuration the model was trained with (--config)"
-        ) from None
 
 
 def release_freed_memory() -> None:
@@ -267,7 +227,7 @@ class ScoreChunk:
     can ship it to worker threads, processes or a Dask cluster (whose workers must see the
     input and `staging`). `torch_threads`, when set, is the worker's PyTorch thread count."""
 
-    loaded: LoadedModel
+    trained: TrainedModel
     parts: list[Path]
     staging: Path
     columns: list[str]
@@ -283,21 +243,21 @@ class ScoreChunk:
         from journeys.inference import pick_device
 
         # Never every core first: a thread worker would run its neighbour on them too.
-        loaded, device = self.loaded, pick_device(self.torch_threads)
-        loaded.model.to(device)
+        trained, device = self.trained, pick_device(self.torch_threads)
+        trained.model.to(device)
         read = read_rows(self.parts, self.columns, *chunk)
         frame = mark_open(
-            cut_at(read, self.as_of, loaded.event_columns), self.as_of, loaded.max_gap
+            cut_at(read, self.as_of, trained.encoder.event_columns), self.as_of, trained.max_gap
         )
         scored = score_frame(
-            loaded, frame, attention=self.attention, batch_size=self.batch_size, device=device
+            trained, frame, attention=self.attention, batch_size=self.batch_size, device=device
         ).with_columns(frame.select("open", "quiet_seconds"))
-        if loaded.quiet_survival is not None:
-            scored = in_flight_probability(scored, loaded.quiet_survival)
+        if trained.quiet_survival is not None:
+            scored = in_flight_probability(scored, trained.quiet_survival)
         scored = scored.with_columns(
             pl.lit(self.as_of, UTC_US).alias("as_of"),
-            pl.lit(loaded.model_uri, pl.String).alias("model_uri"),
-            pl.lit(loaded.model_version, pl.String).alias("model_version"),
+            pl.lit(trained.model_uri, pl.String).alias("model_uri"),
+            pl.lit(trained.model_version, pl.String).alias("model_version"),
             pl.lit(self.scored_at, UTC_US).alias("scored_at"),
         ).select(pl.col(name).cast(dtype) for name, dtype in self.schema.items())
         scored.write_parquet(self.staging / PART_FILE.format(index), metadata=self.parquet_metadata)
@@ -314,7 +274,7 @@ MapChunks = Callable[[ScoreChunk, list[tuple[int, int]]], list[ChunkScored]]
 
 
 def score_dataset(
-    loaded: LoadedModel,
+    trained: TrainedModel,
     journeys_folder: str | Path,
     out: str | Path,
     *,
@@ -340,15 +300,15 @@ def score_dataset(
     parts = parquet_parts(folder)
     if not parts:
         raise InputError(f"no journeys (part-*.parquet) in {folder.absolute()}")
-    features = loaded.vocabs.features
+    features = trained.encoder.vocabs.features
     schema_in = input_schema(parts)
-    columns = scoring_columns(schema_in, loaded.event_columns, folder)
+    columns = scoring_columns(schema_in, trained.encoder.event_columns, folder)
     optional = [name for name in OPTIONAL_COLUMNS if name in columns]
     if "end_time" in schema_in:  # when a conversion happened: was it by `as_of`?
         columns.append("end_time")
     as_of = as_of or data_end(folder, parts)
     schema = scores_schema(
-        features, optional, bool(loaded.model.config.causal), loaded.numeric_features
+        features, optional, bool(trained.model.config.causal), trained.encoder.numeric_features
     )
     if attention is None:
         schema = pl.Schema({k: v for k, v in schema.items() if k != "attention"})
@@ -359,7 +319,7 @@ def score_dataset(
     chunks = chunk_bounds(total, chunk_journeys)
     with atomic_dir(out) as staging:
         score = ScoreChunk(
-            loaded, parts, staging, columns, schema, as_of, scored_at,
+            trained, parts, staging, columns, schema, as_of, scored_at,
             scores_metadata(metadata), attention, batch_size,
         )  # fmt: skip
         if map_chunks is None:
@@ -483,7 +443,7 @@ def _now() -> str:
 
 
 def score_input(
-    loaded: LoadedModel,
+    trained: TrainedModel,
     config: Config,
     input_path: str | Path,
     out: str | Path,
@@ -514,10 +474,10 @@ def score_input(
         map_chunks=map_chunks,
     )
     if is_journeys_dataset(source):
-        return score_dataset(loaded, source, out, **settings), None
+        return score_dataset(trained, source, out, **settings), None
     require_input(input_path, "input", "pass a journeys folder or a raw event log")
     out = Path(out)
-    ingest_config = scoring_config(config, loaded.preprocessing)
+    ingest_config = trained.rules.ingest_config(config)
     with scratch_dir(out.parent, "score-ingest") as scratch:
         # The rows the log's ingest rejects are kept beside the scores, not lost.
         result = run_ingest(
@@ -526,7 +486,7 @@ def score_input(
             journeys_folder=scratch / "journeys",
             quarantine_folder=quarantine_beside(out),
         )
-        scored = score_dataset(loaded, result.journeys_folder, out, **settings)
+        scored = score_dataset(trained, result.journeys_folder, out, **settings)
         return scored, result.report
 
 
@@ -569,8 +529,8 @@ def score_command(
     unreadable input, a bad `as_of` or columns that do not match the configuration raise
     `InputError` (the CLI prints one line, exit 2).
     """
-    from journeys.packaging import load_model
     from journeys.tracking import tracking_uri
+    from journeys.trained_model import load_model
 
     # MLflow's per-file download bars would drown the one progress bar that matters.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -581,61 +541,57 @@ def score_command(
             f"model {uri} not found: no MLflow store at {redact_uri(store)} (train first)"
         )
     moment = parse_as_of(as_of, config.data.timezone)
-    loaded = load_model(uri, tracking_uri=store)
+    trained = load_model(uri, tracking_uri=store)
     source = str(input_path or config.paths.journeys)
     out = Path(out or config.paths.scores)
     attention = config.score.attention
 
-    run = ScoringRun.start(config, store) if tracking_ready(store) else None
-    metadata = {
-        "model_uri": loaded.model_uri,
-        "model_version": loaded.model_version,
-        "attention": attention,
-        "input": source,
-        "scored_at": _now(),
-        "run_id": run.run_id if run else None,
-    }
-    # journeys.encoding imports Lightning (~4 s): import it before the clock starts so the
-    # reported journeys/s measures scoring, not start-up.
-    import journeys.encoding  # noqa: F401
+    with mlflow_run(
+        store, config.mlflow.experiment, name="score", tags={STAGE_TAG: "score"}, optional=True
+    ) as run:
+        metadata = {
+            "model_uri": trained.model_uri,
+            "model_version": trained.model_version,
+            "attention": attention,
+            "input": source,
+            "scored_at": _now(),
+            "run_id": run.run_id if run else None,
+        }
+        # journeys.encoding imports Lightning (~4 s): import it before the clock starts so
+        # the reported journeys/s measures scoring, not start-up.
+        import journeys.encoding  # noqa: F401
 
-    started = time.perf_counter()
-    try:
+        started = time.perf_counter()
         settings = config.orchestration
         scored, report = score_input(
-            loaded, config, source, out, attention=attention, metadata=metadata, as_of=moment,
+            trained, config, source, out, attention=attention, metadata=metadata, as_of=moment,
             map_chunks=map_chunks or chunks_in_pool(settings.task_runner, settings.max_workers),
         )  # fmt: skip
-    except BaseException:
-        if run:
-            run.finish("FAILED")
-        raise
-    result = ScoreResult(
-        out=out,
-        rows=scored.rows,
-        parts=len(parquet_parts(out)),
-        model_uri=loaded.model_uri,
-        model_version=loaded.model_version,
-        attention=attention,
-        seconds=time.perf_counter() - started,
-        input=source,
-        ingest_report=report,
-        run_id=run.run_id if run else None,
-        metadata=metadata,
-        as_of=scored.as_of,
-        open=scored.open,
-        not_started=scored.journeys - scored.rows,
-    )
-    _print_summary(result)
-    if result.open and loaded.quiet_survival is None:
-        _warn(
-            f"{uri} was trained before open journeys could be scored: they are marked open "
-            "but keep the model's score, not the chance that they convert from here on; "
-            "retrain to score them"
+        result = ScoreResult(
+            out=out,
+            rows=scored.rows,
+            parts=len(parquet_parts(out)),
+            model_uri=trained.model_uri,
+            model_version=trained.model_version,
+            attention=attention,
+            seconds=time.perf_counter() - started,
+            input=source,
+            ingest_report=report,
+            run_id=run.run_id if run else None,
+            metadata=metadata,
+            as_of=scored.as_of,
+            open=scored.open,
+            not_started=scored.journeys - scored.rows,
         )
-    if run:
-        run.log(result)
-        run.finish("FINISHED")
+        _print_summary(result)
+        if result.open and trained.quiet_survival is None:
+            _warn(
+                f"{uri} was trained before open journeys could be scored: they are marked "
+                "open but keep the model's score, not the chance that they convert from here "
+                "on; retrain to score them"
+            )
+        if run:
+            log_scoring(run, result)
     return result
 
 
@@ -675,37 +631,12 @@ def _print_summary(result: ScoreResult) -> None:
 # ----------------------------------------------------------------------------- MLflow
 
 
-@dataclass
-class ScoringRun:
-    """The MLflow run of one scoring job (optional: scoring works without a store)."""
-
-    client: Any
-    run_id: str
-
-    @classmethod
-    def start(cls, config: Config, uri: str) -> ScoringRun | None:
-        try:
-            from mlflow import MlflowClient
-
-            from journeys.tracking import get_experiment_id
-
-            client = MlflowClient(tracking_uri=uri)
-            experiment = get_experiment_id(uri, config.mlflow.experiment)
-            run = client.create_run(experiment, run_name="score", tags={STAGE_TAG: "score"})
-            return cls(client, run.info.run_id)
-        except Exception as err:  # tracking is optional; scoring must not fail on it
-            _warn(
-                f"not logging the scoring run to MLflow ({redact_uri(uri)}): "
-                f"{redact_uri(first_line(err))}"
-            )
-            return None
-
-    def log(self, result: ScoreResult) -> None:
-        from mlflow.entities import Metric, Param
-
-        try:
-            now = int(time.time() * 1000)
-            params = {
+def log_scoring(run: TrackedRun, result: ScoreResult) -> None:
+    """What the scoring run logs: where the scores came from and went, and how many. A
+    store that fails here only warns: the scores are written."""
+    try:
+        run.log_params(
+            {
                 "model_uri": result.model_uri,
                 "model_version": result.model_version or "",
                 "input": result.input,
@@ -714,28 +645,20 @@ class ScoringRun:
                 "out": str(result.out),
                 "as_of": result.as_of.isoformat() if result.as_of else "",
             }
-            metrics = {
+        )
+        run.log_metrics(
+            {
                 "rows": result.rows,
                 "seconds": result.seconds,
                 "journeys_per_second": result.journeys_per_second,
                 "open_journeys": result.open,
                 "journeys_not_started": result.not_started,
             }
-            self.client.log_batch(
-                self.run_id,
-                params=[Param(k, str(v)) for k, v in params.items()],
-                metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
-            )
-            if result.ingest_report:
-                self.client.log_dict(self.run_id, result.ingest_report, REPORT_FILE)
-        except Exception as err:
-            _warn(f"logging the scoring run to MLflow failed: {first_line(err)}")
-
-    def finish(self, status: str) -> None:
-        try:
-            self.client.set_terminated(self.run_id, status)
-        except Exception as err:
-            _warn(f"could not close MLflow run {self.run_id}: {first_line(err)}")
+        )
+        if result.ingest_report:
+            run.log_dict(result.ingest_report, REPORT_FILE)
+    except Exception as err:
+        _warn(f"logging the scoring run to MLflow failed: {first_line(err)}")
 
 
 def _warn(message: str) -> None:

@@ -25,7 +25,9 @@ SERVED_COLUMNS = ("conversion_probability", "n_events", "attention", "prefix_pro
 EXAMPLE_TIMES = ("2026-01-01T09:00:00Z", "2026-01-01T09:05:00Z", "2026-01-01T09:20:00Z")
 
 
-def signature(preprocessing: dict[str, Any], causal: bool = False) -> ModelSignature:
+def signature(
+    features: list[str], numeric_features: list[str], causal: bool = False
+) -> ModelSignature:
     """The pyfunc's signature: one row per journey, a list column per event attribute,
     named after the model's own features (optional: one left out is missing on every
     event).
@@ -40,13 +42,12 @@ def signature(preprocessing: dict[str, Any], causal: bool = False) -> ModelSigna
     from mlflow.types import ColSpec, DataType, Schema
     from mlflow.types.schema import AnyType, Array
 
-    features = preprocessing.get("features", [])
     inputs = [
         ColSpec(Array(AnyType()), "event_type"),
         ColSpec(Array(AnyType()), "event_time"),
         *(
             ColSpec(Array(AnyType()), name, required=False)
-            for name in [*features, *preprocessing.get("numeric_features", [])]
+            for name in [*features, *numeric_features]
         ),
     ]
     outputs = [

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from journeys.config import Config, is_redacted, redact_uri
 from journeys.datasets import REPORT_FILE
-from journeys.errors import ConfigError, InputError, JourneysError
+from journeys.errors import ConfigError, InputError, JourneysError, first_line, run_status
 from journeys.processes import run_supervised
 
 if TYPE_CHECKING:
@@ -115,26 +115,138 @@ def check_tracking_uri(uri: str, timeout: float = REACHABILITY_TIMEOUT_S) -> Non
 
 @contextlib.contextmanager
 def use_tracking_uri(uri: str) -> Iterator[None]:
-    """Point MLflow's process-wide ("fluent") tracking URI at `uri` for a block.
+    """Point MLflow's process-wide ("fluent") tracking URI at `uri` for a block, on MLflow's
+    public API, and restore it exactly afterwards: the URI the process pinned with
+    `mlflow.set_tracking_uri` (None: none) and `MLFLOW_TRACKING_URI`.
 
-    `mlflow.set_tracking_uri` also writes `MLFLOW_TRACKING_URI` into `os.environ`, which
-    would then override every later config in this process (the documented contract gives the variable
-    precedence), and MLflow's own context manager deletes a variable the user had set.
-    Both the setting and the variable are restored exactly.
+    Why: `mlflow.set_tracking_uri` also exports the variable, which would then override
+    every later configuration of this process, and Lightning's MLflow logger pins the URI
+    it is given; a URI left pinned would also hide a later `MLFLOW_TRACKING_URI`.
     """
     import mlflow
-    from mlflow.tracking._tracking_service import utils as fluent
 
-    saved_uri, saved_env = fluent._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    saved_env = os.environ.pop("MLFLOW_TRACKING_URI", None)
+    # With the variable out of the way, MLflow tells whether the process pinned a URI.
+    pinned = mlflow.get_tracking_uri() if mlflow.tracking.is_tracking_uri_set() else None
     mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
-        mlflow.set_tracking_uri(saved_uri)  # None resets it (and drops the variable)
+        mlflow.set_tracking_uri(pinned)  # None unpins (what MLflow's own reset passes)
         if saved_env is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
+@dataclass(frozen=True)
+class TrackedRun:
+    """One MLflow run the product writes to: a training, a baseline, a scoring job."""
+
+    client: MlflowClient
+    run_id: str
+    experiment_id: str
+    uri: str
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        """Metrics in one request; NaN is kept (e.g. AUC on a one-class split)."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
+        )
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_artifact(self, path: str | Path, folder: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), folder)
+
+    def log_artifacts(self, directory: str | Path, folder: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(directory), folder)
+
+    def log_dict(self, value: dict[str, Any], file: str) -> None:
+        self.client.log_dict(self.run_id, value, file)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """This run as MLflow's active run, the process-wide URI at its store, for the
+        fluent calls that know no other (`mlflow.pyfunc.log_model`, `mlflow.register_model`)."""
+        import mlflow
+
+        with use_tracking_uri(self.uri), mlflow.start_run(run_id=self.run_id):
+            yield
+
+
+@contextlib.contextmanager
+def mlflow_run(
+    uri: str,
+    experiment: str,
+    *,
+    run_id: str | None = None,
+    name: str | None = None,
+    tags: dict[str, str] | None = None,
+    optional: bool = False,
+) -> Iterator[TrackedRun | None]:
+    """The one way the product holds an MLflow run: create one in `experiment` (or reopen
+    `run_id`), yield it, and end it FINISHED, or FAILED / KILLED as the exception that left
+    the block says (Ctrl+C and SIGTERM are KILLED).
+
+    `optional`: tracking is a bonus (scoring, attribution): a store that cannot be reached
+    or does not exist yet (`tracking_ready`) yields None with a warning instead of failing,
+    and no store is ever created.
+    """
+    from mlflow import MlflowClient
+
+    tracked = None
+    if not optional or tracking_ready(uri):
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            if run_id is None:
+                experiment_id = get_experiment_id(uri, experiment)
+                run = client.create_run(experiment_id, run_name=name, tags=tags)
+            else:
+                run = client.get_run(run_id)
+            tracked = TrackedRun(client, run.info.run_id, run.info.experiment_id, uri)
+        except Exception as err:
+            if not optional:
+                raise
+            print(
+                f"warning: not logging to MLflow ({redact_uri(uri)}): "
+                f"{redact_uri(first_line(err))}",
+                file=sys.stderr,
+            )
+    if tracked is None:
+        yield None
+        return
+    try:
+        yield tracked
+    except BaseException as err:
+        end_run(tracked, run_status(err))
+        raise
+    end_run(tracked, "FINISHED")
+
+
+def end_run(run: TrackedRun, status: str) -> None:
+    """Mark `run` as `status`; a store that fails here only warns (the run's state is a
+    courtesy, and the error that stopped us, if any, wins)."""
+    try:
+        run.client.set_terminated(run.run_id, status)
+    except Exception as err:
+        print(
+            f"could not mark MLflow run {run.run_id} {status}: {redact_uri(first_line(err))}",
+            file=sys.stderr,
+        )
 
 
 def get_experiment_id(uri: str, name: str) -> str:
@@ -152,7 +264,7 @@ def get_experiment_id(uri: str, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-def log_config(client: MlflowClient, run_id: str, config: Config) -> None:
+def log_config(run: TrackedRun, config: Config) -> None:
     """The whole resolved config as params. On resume, keys already logged are kept.
 
     MLflow params are immutable, so a value changed for a resumed run is recorded as a
@@ -160,6 +272,7 @@ def log_config(client: MlflowClient, run_id: str, config: Config) -> None:
     """
     from mlflow.entities import Param, RunTag
 
+    client, run_id = run.client, run.run_id
     logged = client.get_run(run_id).data.params
     params, tags = [], []
     values = config.flat()
@@ -189,29 +302,13 @@ def ingest_counts(report: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def log_ingest_report(client: MlflowClient, run_id: str, journeys_folder: str | Path) -> None:
+def log_ingest_report(run: TrackedRun, journeys_folder: str | Path) -> None:
     """The ingest report as an artifact, and its counts as metrics (comparable across runs)."""
-    from mlflow.entities import Metric
-
     path = Path(journeys_folder) / REPORT_FILE
     if not path.exists():
         return  # a dataset built by hand may have none; training does not need it
-    client.log_artifact(run_id, str(path))
-    report = json.loads(path.read_text())
-    client.log_batch(
-        run_id,
-        metrics=[Metric(key, value, 0, 0) for key, value in ingest_counts(report).items()],
-    )
-
-
-def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float]) -> None:
-    """Final (step 0) metrics in one request; NaN is kept (e.g. AUC on a one-class split)."""
-    import time
-
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+    run.log_artifact(path)
+    run.log_metrics(ingest_counts(json.loads(path.read_text())))
 
 
 # ----------------------------------------------------------------------------- registry
@@ -240,17 +337,16 @@ def _version_roc_auc(client: MlflowClient, version: Any) -> float:
         return math.nan
 
 
-def register_model(
-    client: MlflowClient, model_uri: str, name: str, run_id: str, test_roc_auc: float
-) -> Registration:
-    """Register `model_uri` as a new version of `name`; move `champion` only on improvement.
-
-    The decision (and why) is tagged on both the run and the new version.
+def register_model(run: TrackedRun, model_uri: str, name: str, test_roc_auc: float) -> Registration:
+    """Register `model_uri` (logged by `run`) as a new version of `name`; move `champion`
+    only on improvement. The decision (and why) is tagged on both the run and the new version.
     """
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    version = mlflow.register_model(model_uri, name, tags={"test_roc_auc": str(test_roc_auc)})
+    client, run_id = run.client, run.run_id
+    with use_tracking_uri(run.uri):  # mlflow.register_model knows no other store
+        version = mlflow.register_model(model_uri, name, tags={"test_roc_auc": str(test_roc_auc)})
     new = int(version.version)
     try:
         champion = client.get_model_version_by_alias(name, CHAMPION_ALIAS)

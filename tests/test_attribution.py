@@ -165,10 +165,8 @@ def test_integrated_gradients_are_complete(n_continuous: int) -> None:
     )
     with torch.no_grad():
         logits = model(tokens, features, buckets, mask, continuous=continuous).logits
-        embeddings = [model.event_embedding, model.time_embedding, *model.feature_embeddings]
-        if n_continuous:
-            embeddings.append(model.continuous_projection)
-        hooks = [e.register_forward_hook(lambda m, i, o: o * 0) for e in embeddings]
+        # Every input module (events, time, features, the visit gap, continuous inputs).
+        hooks = [e.register_forward_hook(lambda m, i, o: o * 0) for e in model.input_modules()]
         baseline = model(tokens, features, buckets, mask, continuous=continuous).logits
         for hook in hooks:
             hook.remove()

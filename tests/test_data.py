@@ -172,7 +172,7 @@ def test_datamodule_excludes_censored_journeys_from_splits(tmp_path, frame) -> N
     frame.head(3).write_parquet(tmp_path / "journeys.parquet")
     frame.tail(2).write_parquet(tmp_path / "journeys-more.parquet")
     VOCABS.save(tmp_path)
-    module = JourneyDataModule(tmp_path, n_time_buckets=32, batch_size=2, seed=1)
+    module = JourneyDataModule(tmp_path, max_len=64, batch_size=2, seed=1)
     module.setup("fit")
     assert {s: sorted(e.journey_ids.to_list()) for s, e in module.splits.items()} == {
         "train": ["j1", "j2"],
@@ -188,7 +188,7 @@ def test_datamodule_excludes_censored_journeys_from_splits(tmp_path, frame) -> N
     assert sorted(seen) == ["j1", "j2", "j3", "j4"]  # the censored j5 in none of them
 
     # scoring's loader keeps any frame's order, the censored journey included
-    in_order = make_dataloader(module.encode(frame.reverse()), 2, group_by_length=False)
+    in_order = make_dataloader(module.encoder.encode(frame.reverse()), 2, group_by_length=False)
     index = torch.cat([batch.index for batch in in_order])
     assert index.tolist() == [0, 1, 2, 3, 4]
     assert in_order.dataset.encoded.journey_ids.to_list() == ["j5", "j4", "j3", "j2", "j1"]
@@ -340,11 +340,15 @@ def test_batches_feed_the_model(tmp_path, frame) -> None:
 
     frame.write_parquet(tmp_path / "journeys.parquet")
     module = JourneyDataModule(
-        tmp_path, VOCABS, n_time_buckets=32, max_len=8, batch_size=4, time_encodings_timezone="UTC"
+        tmp_path,
+        VOCABS,
+        max_len=8,
+        batch_size=4,  # time encodings in UTC, as by default
     )
     config = model_config_from(Model(d_model=16, n_heads=2, time_buckets=32), VOCABS, 8)
     model = JourneyTransformer(config).eval()  # time encodings on, as by default
-    batch = next(iter(make_dataloader(module.encode(frame), 4)))
+    module.setup()
+    batch = next(iter(make_dataloader(module.encoder.encode(frame), 4)))
     out = model(
         batch.tokens, batch.features, batch.time_buckets, batch.mask,
         attention="pooled", continuous=batch.continuous,

@@ -30,8 +30,8 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
 
     from journeys.inference import run_model
     from journeys.lightning_parts import JourneyDataModule
-    from journeys.model import JourneyTransformer, ModelConfig
-    from journeys.packaging import load_model
+    from journeys.model import JourneyTransformer
+    from journeys.trained_model import load_model
     from journeys.vocab import Vocabularies
 
     folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
@@ -86,13 +86,10 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
     )
     weights = {k.removeprefix("model."): v for k, v in state["state_dict"].items()}
     vocabs = Vocabularies.load(folder)
-    model_config = ModelConfig.from_dict(
-        {**load_model(f"runs:/{run_id}/model", tracking_uri=uri).model_config}
-    )
+    model_config = load_model(f"runs:/{run_id}/model", tracking_uri=uri).config
     model = JourneyTransformer(model_config)
     model.load_state_dict(weights)
-    zone = "UTC" if model_config.n_continuous else None  # the default time encodings
-    datamodule = JourneyDataModule(folder, vocabs, max_len=64, time_encodings_timezone=zone)
+    datamodule = JourneyDataModule(folder, vocabs, max_len=64)  # the default time encodings
     datamodule.setup()
     val = datamodule.splits["val"]
     logits = run_model(model, val, batch_size=1024).logits

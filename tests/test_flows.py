@@ -388,8 +388,8 @@ def test_scoring_mapped_as_tasks_on_threads_or_processes_matches_scoring_in_orde
 
     from flows.pipeline import chunks_as_tasks
     from flows.settings import Orchestration
-    from journeys.packaging import load_model
     from journeys.score import score_dataset
+    from journeys.trained_model import load_model
     from journeys.vocab import Vocabularies
 
     one = journeys_folder(tmp_path / "one", n=120)
@@ -497,10 +497,10 @@ def test_each_stage_hashes_every_library_module_it_runs() -> None:
     code = {stage: set(stage_inputs(stage, config)[1]) for stage in STAGE_ENTRY}
     runs = {
         "ingest": "ingest events datasets vocab storage",
-        "train": "train training datasets inference plots model data baselines packaging "
-        "metrics tracking pyfunc_model",
-        "score": "score datasets inference packaging data model metrics",
-        "attribution": "attribution datasets inference plots packaging data model",
+        "train": "train lightning_parts datasets inference plots model encoding baselines "
+        "trained_model metrics tracking pyfunc_model",
+        "score": "score datasets inference trained_model encoding model metrics",
+        "attribution": "attribution datasets inference plots trained_model encoding model",
     }
     for stage, modules in runs.items():
         assert {f"journeys.{name}" for name in modules.split()} <= code[stage], stage

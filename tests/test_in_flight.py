@@ -13,8 +13,8 @@ from test_score import MAX_EVENTS, config_for, journeys_folder, save_tiny_model,
 
 from journeys.cli import main
 from journeys.in_flight import QuietSurvival
-from journeys.packaging import PREPROCESSING, load_model
 from journeys.score import score_command, score_frame
+from journeys.trained_model import TrainedModel, load_model
 from journeys.vocab import Vocabularies
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
@@ -123,10 +123,9 @@ def test_open_journeys_quiet_for_longer_are_less_likely_to_convert(tmp_path: Pat
     train = source.filter((pl.col("split") == "train") & ~pl.col("censored"))
     survival = QuietSurvival.fit(train, MAX_GAP)
     assert survival is not None
-    preprocessing = json.loads((model / PREPROCESSING).read_text())
-    (model / PREPROCESSING).write_text(
-        json.dumps({**preprocessing, "quiet_survival": survival.to_dict()})
-    )
+    with_survival = TrainedModel.load(model)
+    with_survival.quiet_survival = survival
+    with_survival.save(model)
 
     end = source["end_time"].max()
     by_quiet = {}

@@ -14,6 +14,7 @@ from journeys.model import JourneyTransformer, ModelConfig, attention_rollout
 from journeys.vocab import Vocabularies, Vocabulary
 
 VOCAB, FEATURES, BUCKETS, MAX_LEN = 12, (5, 4), 8, 24
+CONTINUOUS = ModelConfig(vocab_size=VOCAB).n_continuous  # the default model's inputs
 
 
 def tiny(scramble: bool = True, **overrides) -> JourneyTransformer:
@@ -28,6 +29,8 @@ def tiny(scramble: bool = True, **overrides) -> JourneyTransformer:
         max_len=MAX_LEN,
     )
     settings.update(overrides)
+    if settings.get("causal") and "position_origin" not in overrides:
+        settings["position_origin"] = "start"  # as the product's `auto` resolves it
     torch.manual_seed(0)
     model = JourneyTransformer(ModelConfig(**settings)).eval()
     if scramble:
@@ -51,11 +54,14 @@ def batch(lengths: list[int], width: int | None = None, seed: int = 0) -> dict[s
         dim=1,
     )
     time_buckets = torch.randint(1, BUCKETS, (len(lengths), width), generator=generator)
+    # The default model reads the time encodings: random ones, zero on padding.
+    continuous = torch.randn(len(lengths), CONTINUOUS, width, generator=generator)
     return {
         "tokens": tokens * mask,
         "features": features * mask[:, None, :],
         "time_buckets": time_buckets * mask,
         "mask": mask,
+        "continuous": continuous * mask[:, None, :],
     }
 
 
@@ -130,7 +136,7 @@ def test_positions_from_the_end_give_the_last_events_the_same_ids() -> None:
     with_cls = tiny(position_origin="end", pooling="cls")._positions(lengths, 10)
     assert with_cls[:, 0].tolist() == [0, 0, 0]  # the CLS token
     assert with_cls.gather(1, lengths[:, None]).squeeze(1).tolist() == [1, 1, 1]
-    start = tiny(pooling="last")._positions(lengths, 9)  # the default: one row for all
+    start = tiny(position_origin="start")._positions(lengths, 9)  # one row for all
     assert start.tolist() == list(range(9))
     with pytest.raises(ValueError, match="causal"):
         tiny(causal=True, position_origin="end")
@@ -153,7 +159,8 @@ def test_every_event_carries_the_gap_that_opened_its_visit() -> None:
 
 def test_without_positions_mean_pooling_is_order_blind() -> None:
     """The control for the test above: it would catch a model that cannot see order."""
-    model = tiny(positional="none", pooling="mean")
+    # Nor visits: the gap that opened the first visit is on every event, so it sees order.
+    model = tiny(positional="none", pooling="mean", visit_bucket=None)
     inputs = batch([7, 7, 7])
     reversed_inputs = {name: value.flip(-1) for name, value in inputs.items()}
     torch.testing.assert_close(model(**reversed_inputs).logits, model(**inputs).logits)
@@ -208,7 +215,7 @@ def test_explicit_attention_path_matches_fast_path(variant: dict, norm: str, att
 
 def test_pooled_attention_is_the_cls_row_of_the_last_layer() -> None:
     """Recompute the CLS row by hand from the last block's input: the export must match."""
-    model = tiny(n_layers=2)
+    model = tiny(n_layers=2, pooling="cls")
     inputs = batch([4, 2], width=5)
     captured = {}
     block = model.blocks[-1]
@@ -262,7 +269,7 @@ def test_config_from_settings_round_trips_and_weights_reload() -> None:
     clone.load_state_dict(model.state_dict())
     inputs = batch(LENGTHS)
     torch.testing.assert_close(clone(**inputs).logits, model(**inputs).logits)
-    probabilities = model.predict_proba(**inputs)
+    probabilities = torch.sigmoid(model(**inputs).logits)
     assert ((probabilities > 0) & (probabilities < 1)).all()
 
 
@@ -365,4 +372,3 @@ def test_a_model_with_continuous_inputs_needs_them() -> None:
     continuous = torch.randn(1, 3, 3)
     summed = model.event_embeddings(tokens, features, buckets, mask, continuous)
     assert (summed[0, 2] == 0).all()  # padding stays zero: no bias leaks in
-    assert ModelConfig.from_dict({"vocab_size": 5}).n_continuous == 0  # older models load

@@ -19,9 +19,8 @@ from test_ingest import assert_accounting, config_for
 from test_model import fit_and_test_auc
 
 from journeys import baselines
-from journeys.config import Model, load_config
+from journeys.config import Model
 from journeys.encoding import (
-    NUMERIC_INPUTS,
     ContinuousInputs,
     NumericScaling,
     continuous_count,
@@ -33,7 +32,6 @@ from journeys.encoding import model_config_from as sized
 from journeys.errors import InputError
 from journeys.ingest import ingest, run_ingest
 from journeys.model import JourneyTransformer
-from journeys.packaging import LoadedModel, preprocessing_settings
 from journeys.vocab import Vocabularies, Vocabulary
 from tests.test_reliability import ENV, TINY, cli, path_args, sets
 
@@ -349,30 +347,20 @@ def test_a_run_with_missing_numbers_trains_scores_and_keeps_train_scaling(
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
     from journeys.datasets import scan_journeys
-    from journeys.packaging import load_model
+    from journeys.trained_model import load_model
 
     journeys = scan_journeys(tmp_path / "journeys").collect()
     train = journeys.filter(pl.col("split") == "train")
     expected = numeric_scaling(train, ["price"])
     assert expected != numeric_scaling(journeys, ["price"])  # the other splits differ
     loaded = load_model("models:/journey-conversion@champion", env["MLFLOW_TRACKING_URI"])
-    for applied in (loaded.continuous.numeric, loaded.preprocessing["numeric_scaling"]):
-        assert [name for name, _, _ in applied] == ["price"]
-        np.testing.assert_allclose([v for _, *v in applied], [v for _, *v in expected])
+    applied = loaded.encoder.inputs.numeric
+    assert [name for name, _, _ in applied] == ["price"]
+    np.testing.assert_allclose([v for _, *v in applied], [v for _, *v in expected])
     edges = numeric_bucket_edges(train, ["price"], 16) if encoding == "buckets" else ()
-    assert [len(e) for e in loaded.continuous.bucket_edges] == [len(e) for e in edges]
-    for applied_edges, train_edges in zip(loaded.continuous.bucket_edges, edges, strict=True):
+    assert [len(e) for e in loaded.encoder.inputs.bucket_edges] == [len(e) for e in edges]
+    for applied_edges, train_edges in zip(loaded.encoder.inputs.bucket_edges, edges, strict=True):
         np.testing.assert_allclose(applied_edges, train_edges)
     scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
     assert scores.height == journeys.height
     assert scores["conversion_probability"].is_finite().all()
-
-
-def test_a_model_reads_the_numeric_inputs_it_was_trained_with() -> None:
-    """Models trained before the relative or the carried input existed keep reading two or
-    three inputs per number; new ones read all of `NUMERIC_INPUTS`."""
-    cases = (({}, 2), ({"numeric_relative": True}, 3), ({"numeric_inputs": 4}, 4))
-    for preprocessing, expected in cases:
-        loaded = LoadedModel(None, None, preprocessing, "models:/m/1")  # type: ignore[arg-type]
-        assert loaded.continuous.numeric_inputs == expected
-    assert preprocessing_settings(load_config(None))["numeric_inputs"] == len(NUMERIC_INPUTS)

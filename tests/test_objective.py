@@ -21,7 +21,10 @@ from journeys.errors import ConfigError
 from journeys.lightning_parts import JourneyModule
 from journeys.model import ModelConfig
 
-CAUSAL = ModelConfig(vocab_size=8, d_model=8, n_heads=2, n_layers=1, causal=True, max_len=16)
+CAUSAL = ModelConfig(
+    vocab_size=8, d_model=8, n_heads=2, n_layers=1, causal=True, position_origin="start",
+    max_len=16, n_continuous=0,
+)  # fmt: skip
 EVERY_PREFIX = ["model.causal=true", "train.objective=every_prefix"]
 
 

@@ -1,4 +1,4 @@
-"""Batch scoring: one row per journey, valid attention, the model's own preprocessing and
+"""Batch scoring: one row per journey, valid attention, the model's own journey rules and
 vocabularies, one-line errors, empty input, MLflow logging."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import pytest
 import torch
 from conftest import EVENT_TYPES, make_journeys_dataset
 
-from journeys import packaging
 from journeys.cli import main
 from journeys.config import load_config
 from journeys.datasets import is_journeys_dataset, read_metadata, scores_schema
-from journeys.encoding import ContinuousInputs, JourneyCollator, encode_journeys, model_config_from
+from journeys.encoding import JourneyCollator, JourneyEncoder, model_config_from
 from journeys.ingest import run_ingest
 from journeys.model import JourneyTransformer
-from journeys.score import score_command, score_frame, scoring_config
+from journeys.score import score_command, score_frame
+from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_model
 from journeys.vocab import UNK_ID, Vocabularies
 
 MAX_EVENTS = 16  # below the fixture's longest journeys (20): scoring must cut the lists
@@ -49,8 +49,11 @@ def save_tiny_model(
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(std=0.3 if param.dim() > 1 else 0.1)
-    preprocessing = packaging.preprocessing_settings(config)
-    packaging.save_model_files(folder, model, vocabs, preprocessing, temperature)
+    # No numeric feature: the encoder needs no train split to fit on.
+    encoder = JourneyEncoder.fit(
+        pl.DataFrame(), vocabs, config.model, max_len=MAX_EVENTS, timezone=config.data.timezone
+    )
+    TrainedModel(model, encoder, JourneyRules.from_config(config), temperature).save(folder)
     return folder
 
 
@@ -81,10 +84,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def direct_forward(model_dir: Path, frame: pl.DataFrame, attention: str | None = None):
     """The same model, loaded again, run by hand on `frame`: (probabilities, attention)."""
-    loaded = packaging.load_model(str(model_dir))
-    time = ContinuousInputs("UTC") if loaded.preprocessing["time_encodings"] else None
-    n_time_buckets = loaded.model.config.n_time_buckets
-    encoded = encode_journeys(frame, loaded.vocabs, n_time_buckets, MAX_EVENTS, time)
+    loaded = load_model(str(model_dir))
+    encoded = loaded.encoder.encode(frame)
     batch = JourneyCollator(encoded)(list(range(len(encoded))))
     with torch.no_grad():
         out = loaded.model(
@@ -188,7 +189,7 @@ def test_probability_and_attention_equal_a_direct_forward_pass(
 def test_probability_is_calibrated_by_the_model_temperature(setup: tuple[Path, Path]) -> None:
     journeys, model = setup
     frame = pl.read_parquet(journeys / "part-00000.parquet").head(10)
-    loaded = packaging.load_model(str(model))
+    loaded = load_model(str(model))
     plain = score_frame(loaded, frame)["conversion_probability"].to_numpy()
     loaded.temperature = 2.0
     calibrated = score_frame(loaded, frame)["conversion_probability"].to_numpy()
@@ -207,7 +208,7 @@ def test_causal_model_exports_prefix_probabilities(tmp_path: Path) -> None:
     assert (scores["prefix_probability"].list.len() == scores["n_events"]).all()
 
 
-# --- raw logs: the model's preprocessing and vocabularies, never refitted ---------------
+# --- raw logs: the model's journey rules and vocabularies, never refitted ---------------
 
 
 def raw_log() -> pl.DataFrame:
@@ -249,9 +250,9 @@ def test_raw_log_is_ingested_with_the_model_settings_and_vocabularies(
     result = score_command(config, model_uri=str(model), input_path=str(raw))
     scores = pl.read_parquet(tmp_path / "scores" / "*.parquet").sort("journey_id")
 
-    loaded = packaging.load_model(str(model))
+    loaded = load_model(str(model))
     expected = run_ingest(
-        scoring_config(config, loaded.preprocessing),
+        loaded.rules.ingest_config(config),
         raw=raw,
         journeys_folder=tmp_path / "expected",
         quarantine_folder=tmp_path / "q",
@@ -272,7 +273,7 @@ def test_raw_log_is_ingested_with_the_model_settings_and_vocabularies(
     renamed = expected.with_columns(
         pl.col("event_type").list.eval(pl.element().replace("teleport", "warp_drive"))
     )
-    encoded = encode_journeys(renamed, loaded.vocabs, loaded.model.config.n_time_buckets)
+    encoded = loaded.encode(renamed)
     assert (encoded.tokens == UNK_ID).sum() == 2
     probability, _ = direct_forward(model, renamed)
     np.testing.assert_allclose(scores["conversion_probability"].to_numpy(), probability, atol=1e-6)
@@ -363,11 +364,11 @@ def test_champion_is_scored_and_the_run_logged(
     from mlflow import MlflowClient
 
     journeys, model_dir = setup
-    loaded = packaging.load_model(str(model_dir))
+    loaded = load_model(str(model_dir))
     mlflow.set_tracking_uri(mlflow_env)
     mlflow.set_experiment("journeys")
     with mlflow.start_run():
-        info = packaging.log_model(loaded.model, loaded.vocabs, loaded.preprocessing)
+        info = log_model(loaded)
     client = MlflowClient(tracking_uri=mlflow_env)
     version = mlflow.register_model(info.model_uri, "journey-conversion").version
     client.set_registered_model_alias("journey-conversion", "champion", version)
@@ -413,10 +414,10 @@ def test_after_conversion_travels_with_the_model(setup: tuple[Path, Path], tmp_p
     model = save_tiny_model(
         tmp_path / "model", Vocabularies.load(journeys), "journey.after_conversion=drop"
     )
-    loaded = packaging.load_model(str(model))
-    assert loaded.preprocessing["after_conversion"] == "drop"
+    loaded = load_model(str(model))
+    assert loaded.rules.after_conversion == "drop"
     current = config_for(tmp_path)  # the default: new_journey
-    assert scoring_config(current, loaded.preprocessing).journey.after_conversion == "drop"
+    assert loaded.rules.ingest_config(current).journey.after_conversion == "drop"
 
 
 # --- scoring mapped over workers -------------------------------------------------------
@@ -448,7 +449,7 @@ def test_scores_are_identical_in_order_on_threads_or_processes_and_from_any_part
 
     journeys, model = setup
     four = split_into_parts(journeys, tmp_path / "four", 4)
-    loaded = packaging.load_model(str(model))
+    loaded = load_model(str(model))
     scored_at = {"scored_at": "2026-03-01T00:00:00+00:00"}  # one run's moment for all
     settings = dict(chunk_journeys=40, batch_size=16, progress=False, metadata=scored_at)
     outputs = {}

@@ -31,9 +31,11 @@ URI_WITH_PASSWORD = f"http://alice:{SECRET}@127.0.0.1:9"
 def model(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A model folder exactly as `journeys train` logs it (the five artifact files), with
     untrained weights: what is loaded matters here, not how well it scores."""
-    from journeys.encoding import model_config_from
+    import polars as pl
+
+    from journeys.encoding import JourneyEncoder, model_config_from
     from journeys.model import JourneyTransformer
-    from journeys.packaging import preprocessing_settings, save_model_files
+    from journeys.trained_model import JourneyRules, TrainedModel
     from journeys.vocab import Vocabularies
 
     root = tmp_path_factory.mktemp("model")
@@ -42,7 +44,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict:
     vocabs = Vocabularies.load(journeys)
     settings = model_config_from(config.model, vocabs, max_len=config.journey.max_events)
     folder = root / "artifacts"
-    save_model_files(folder, JourneyTransformer(settings), vocabs, preprocessing_settings(config))
+    encoder = JourneyEncoder.fit(
+        pl.DataFrame(), vocabs, config.model, max_len=settings.max_len, timezone="UTC"
+    )
+    rules = JourneyRules.from_config(config)
+    TrainedModel(JourneyTransformer(settings), encoder, rules).save(folder)
     env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'no-store.db'}"}
     return {"folder": folder, "uri": str(folder), "env": env}
 
@@ -109,7 +115,7 @@ class _Payload:
 
 def _tampered_model(model: dict, folder: Path) -> Path:
     """A copy of the model's artifacts with the weights replaced by a pickle."""
-    from journeys.packaging import WEIGHTS
+    from journeys.trained_model import WEIGHTS
 
     tampered = folder / "model"
     shutil.copytree(model["folder"], tampered)

@@ -23,9 +23,10 @@ import pandas as pd
 import polars as pl
 import pytest
 
-from journeys import packaging, serving
+from journeys import serving
 from journeys.errors import InputError
 from journeys.serving import journeys_from_request
+from journeys.trained_model import load_model, log_model
 from journeys.vocab import Vocabularies
 from tests.test_score import MAX_EVENTS, config_for, journeys_folder, save_tiny_model
 
@@ -109,15 +110,13 @@ def registered(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("serving")
     journeys = journeys_folder(root / "journeys")
     folder = save_tiny_model(root / "model", Vocabularies.load(journeys), temperature=TEMPERATURE)
-    loaded = packaging.load_model(str(folder))
+    loaded = load_model(str(folder))
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     # Artifacts beside the store, not in ./mlruns of whatever folder pytest runs in.
     experiment = client.create_experiment("journeys", (root / "artifacts").as_uri())
     with use_tracking_uri(uri), mlflow.start_run(experiment_id=experiment):
-        info = packaging.log_model(
-            loaded.model, loaded.vocabs, loaded.preprocessing, loaded.temperature
-        )
+        info = log_model(loaded)
     with use_tracking_uri(uri):
         version = mlflow.register_model(info.model_uri, MODEL_NAME).version
     client.set_registered_model_alias(MODEL_NAME, "champion", version)
@@ -167,10 +166,12 @@ def test_logged_model_has_a_signature_naming_its_features_and_an_example(
     example = logged.load_input_example(local)
     assert list(example.columns) == ["event_type", "event_time", "channel", "device"]
     # Made of vocabulary tokens, not of a real journey.
-    assert set(example["event_type"][0]) <= set(registered["loaded"].vocabs.event_type.tokens)
+    assert set(example["event_type"][0]) <= set(
+        registered["loaded"].encoder.vocabs.event_type.tokens
+    )
 
     # Another model's signature names its own features.
-    other = serving.signature({"features": ["campaign"]}, causal=True)
+    other = serving.signature(["campaign"], [], causal=True)
     assert other.inputs.input_names() == ["event_type", "event_time", "campaign"]
     assert other.outputs.input_names()[-1] == "prefix_probability"
 

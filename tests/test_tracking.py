@@ -38,8 +38,25 @@ def test_use_tracking_uri_restores_the_setting_and_the_variable(monkeypatch, use
     before = mlflow.get_tracking_uri()
     with tracking.use_tracking_uri("sqlite:///inside.db"):
         assert mlflow.get_tracking_uri() == "sqlite:///inside.db"
+        mlflow.set_tracking_uri("sqlite:///inside.db")  # as Lightning's logger pins it
     assert os.environ.get("MLFLOW_TRACKING_URI") == user_env
     assert mlflow.get_tracking_uri() == before
+    # Nothing stays pinned: a variable set later is still what MLflow reads.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///later.db")
+    assert mlflow.get_tracking_uri() == "sqlite:///later.db"
+
+
+def test_use_tracking_uri_pins_back_a_uri_the_process_set(monkeypatch) -> None:
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri("sqlite:///pinned.db")
+    try:
+        with tracking.use_tracking_uri("sqlite:///inside.db"):
+            assert mlflow.get_tracking_uri() == "sqlite:///inside.db"
+        assert mlflow.get_tracking_uri() == "sqlite:///pinned.db"
+    finally:
+        mlflow.set_tracking_uri(None)  # the test's own pin, undone (MLflow's reset)
 
 
 @pytest.mark.parametrize("via_env", [False, True])
@@ -95,12 +112,12 @@ def test_ingest_report_counts_become_flat_metric_names() -> None:
 
 
 def test_resumed_run_keeps_its_params_and_tags_changed_values(mlflow_env) -> None:
-    client = MlflowClient(mlflow_env)
-    experiment = tracking.get_experiment_id(mlflow_env, "journeys")
-    run_id = client.create_run(experiment).info.run_id
-    tracking.log_config(client, run_id, load_config(None, ["train.max_epochs=2"]))
-    tracking.log_config(client, run_id, load_config(None, ["train.max_epochs=5"]))
-    run = client.get_run(run_id)
+    with tracking.mlflow_run(mlflow_env, "journeys") as first:
+        tracking.log_config(first, load_config(None, ["train.max_epochs=2"]))
+    with tracking.mlflow_run(mlflow_env, "journeys", run_id=first.run_id) as resumed:
+        tracking.log_config(resumed, load_config(None, ["train.max_epochs=5"]))
+    run = MlflowClient(mlflow_env).get_run(first.run_id)
+    assert run.info.status == "FINISHED"
     assert run.data.params["train.max_epochs"] == "2"
     assert run.data.tags["resume_override.train.max_epochs"] == "5"
 
@@ -108,31 +125,57 @@ def test_resumed_run_keeps_its_params_and_tags_changed_values(mlflow_env) -> Non
 def test_params_record_the_store_actually_used(mlflow_env) -> None:
     """`MLFLOW_TRACKING_URI` wins over the config: the run's `mlflow.tracking_uri` param
     says which store it really went to, not the config's value."""
+    with tracking.mlflow_run(mlflow_env, "journeys") as run:
+        tracking.log_config(run, load_config(None, ["mlflow.tracking_uri=sqlite:///x.db"]))
+    params = MlflowClient(mlflow_env).get_run(run.run_id).data.params
+    assert params["mlflow.tracking_uri"] == mlflow_env
+
+
+def test_a_run_left_by_an_exception_is_marked_as_it_says(mlflow_env) -> None:
+    """`mlflow_run` ends its run FAILED on an error and KILLED on Ctrl+C or SIGTERM."""
+    from journeys.errors import Interrupted
+
     client = MlflowClient(mlflow_env)
-    run_id = client.create_run(tracking.get_experiment_id(mlflow_env, "journeys")).info.run_id
-    tracking.log_config(client, run_id, load_config(None, ["mlflow.tracking_uri=sqlite:///x.db"]))
-    assert client.get_run(run_id).data.params["mlflow.tracking_uri"] == mlflow_env
+    for error, status in ((ValueError("boom"), "FAILED"), (KeyboardInterrupt(), "KILLED")):
+        with pytest.raises(type(error)), tracking.mlflow_run(mlflow_env, "journeys") as run:
+            raise error
+        assert client.get_run(run.run_id).info.status == status
+    with pytest.raises(Interrupted), tracking.mlflow_run(mlflow_env, "journeys") as run:
+        raise Interrupted(15)
+    assert client.get_run(run.run_id).info.status == "KILLED"
+
+
+def test_an_optional_run_never_creates_a_store(tmp_path, capsys) -> None:
+    uri = f"sqlite:///{tmp_path / 'absent.db'}"
+    with tracking.mlflow_run(uri, "journeys", optional=True) as run:
+        assert run is None
+    assert not (tmp_path / "absent.db").exists()
 
 
 def test_champion_moves_on_improvement_and_stays_on_regression(mlflow_env) -> None:
-    import mlflow
 
-    from journeys import packaging
+    import polars as pl
+
+    from journeys.config import Model
+    from journeys.encoding import JourneyEncoder
     from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.trained_model import JourneyRules, TrainedModel, log_model
     from journeys.vocab import Vocabularies, Vocabulary
 
-    model = JourneyTransformer(ModelConfig(vocab_size=4, d_model=8, n_heads=2, n_layers=1))
     vocabs = Vocabularies({"event_type": Vocabulary(("<pad>", "<unk>", "view", "click"))})
-    preprocessing = {"features": [], "n_time_buckets": 32, "max_events": 64}
-    experiment = tracking.get_experiment_id(mlflow_env, "journeys")
+    trained = TrainedModel(
+        JourneyTransformer(ModelConfig(vocab_size=4, d_model=8, n_heads=2, n_layers=1)),
+        JourneyEncoder.fit(pl.DataFrame(), vocabs, Model(), max_len=64, timezone="UTC"),
+        JourneyRules.from_config(load_config(None)),
+    )
     client = MlflowClient(mlflow_env)
 
     def register(auc: float) -> tracking.Registration:
-        with tracking.use_tracking_uri(mlflow_env):
-            with mlflow.start_run(experiment_id=experiment) as run:
-                mlflow.log_metric("test_roc_auc", auc)
-                info = packaging.log_model(model, vocabs, preprocessing)
-            return tracking.register_model(client, info.model_uri, "jc", run.info.run_id, auc)
+        with tracking.mlflow_run(mlflow_env, "journeys") as run:
+            run.log_metrics({"test_roc_auc": auc})
+            with run.active():
+                info = log_model(trained)
+            return tracking.register_model(run, info.model_uri, "jc", auc)
 
     def champion() -> int:
         return int(client.get_model_version_by_alias("jc", "champion").version)

@@ -108,8 +108,8 @@ def test_run_logs_every_contract_metric_param_tag_and_plot(trained) -> None:
 
 def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, monkeypatch) -> None:
     from journeys.datasets import scan_journeys
-    from journeys.packaging import load_model
     from journeys.tracking import use_tracking_uri
+    from journeys.trained_model import load_model
 
     result, config, uri, _ = trained
     monkeypatch.setenv("MLFLOW_ALLOW_PICKLE_DESERIALIZATION", "false")
@@ -122,9 +122,9 @@ def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, m
     for uri_form in (f"runs:/{result.run_id}/model", "models:/journey-conversion@champion"):
         loaded = load_model(uri_form, tracking_uri=uri)
         assert loaded.model_uri == uri_form
-        assert loaded.preprocessing["features"] == config.data.features
-        assert loaded.preprocessing["max_events"] == config.journey.max_events
-        assert loaded.vocabs.features == config.data.features
+        assert list(loaded.rules.features) == loaded.encoder.features == config.data.features
+        assert loaded.rules.max_events == loaded.max_len == config.journey.max_events
+        assert loaded.encoder.vocabs.features == config.data.features
         probs = loaded.predict_proba(test, calibrated=False)
         np.testing.assert_allclose(probs, test.get_column("probability").to_numpy(), atol=1e-6)
     assert loaded.model_version == str(result.model_version)
@@ -140,7 +140,7 @@ def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, m
 
 
 def test_missing_model_or_alias_is_a_one_line_input_error(trained) -> None:
-    from journeys.packaging import load_model
+    from journeys.trained_model import load_model
 
     _, _, uri, _ = trained
     for bad in (
@@ -305,7 +305,7 @@ def test_checkpoints_hold_the_weight_average_and_resume_keeps_the_raw_weights(
         result = train_command(config)
     last = torch.load(Path(result.checkpoint).parent / "last.ckpt", weights_only=True)
     best = torch.load(result.checkpoint, weights_only=True)["state_dict"]
-    from journeys.packaging import load_model
+    from journeys.trained_model import load_model
 
     shipped = load_model(result.model_uri, mlflow_env).model.state_dict()
     for name, value in shipped.items():  # the shipped model is the best checkpoint
@@ -355,6 +355,7 @@ def test_loss_uses_label_smoothing_and_pos_weight() -> None:
         mask=torch.tensor([[True, True], [True, False]]),
         labels=torch.tensor([1.0, 0.0]),
         index=torch.arange(2),
+        continuous=torch.randn(2, module.model.config.n_continuous, 2),  # time encodings
     )
     logits = module._logits(batch)
     expected = torch.nn.functional.binary_cross_entropy_with_logits(
@@ -376,7 +377,7 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
 
     from journeys import train
     from journeys.encoding import fraction_of_negatives
-    from journeys.packaging import load_model
+    from journeys.trained_model import load_model
 
     make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
     config = tiny_config(

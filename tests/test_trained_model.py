@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pytest
 
 from journeys.attribution import integrated_gradients_frame
-from journeys.packaging import load_model
+from journeys.errors import InputError
 from journeys.score import score_dataset
+from journeys.trained_model import PREPROCESSING, TrainedModel, load_model
 
 FORMAT_1 = Path(__file__).parent / "data" / "model_format1"
 AS_OF = datetime(2026, 2, 20, tzinfo=UTC)
@@ -46,3 +50,107 @@ def test_a_format_1_model_scores_and_explains_as_the_code_that_saved_it(tmp_path
     assert journeys.height == sample.height > 20
     explained = integrated_gradients_frame(loaded, journeys)
     assert_lists_close(explained, sample.get_column("integrated_gradients"))
+
+
+def test_model_config_defaults_are_what_the_product_ships() -> None:
+    """A `ModelConfig` built by hand is the model the default configuration trains."""
+    from journeys.config import load_config
+    from journeys.encoding import model_config_from_sizes
+    from journeys.model import ModelConfig
+
+    config = load_config(None)  # conf/default.yaml
+    assert config.data.numeric_features == []  # so no numeric input below
+    shipped = model_config_from_sizes(config.model, 9, (5, 4), config.journey.max_events)
+    assert ModelConfig(vocab_size=9, feature_vocab_sizes=(5, 4)) == shipped
+
+
+def test_a_saved_model_loads_back_the_same_and_predicts_with_its_inputs(tmp_path: Path) -> None:
+    """Format 2 round-trips: the same settings, the same probabilities; `predict_proba`
+    feeds the continuous inputs (time encodings, numbers) the default model reads."""
+    from journeys.score import score_frame
+
+    legacy = load_model(str(FORMAT_1 / "model"))
+    assert legacy.config.n_continuous == 6 + 4  # time encodings, and four inputs for price
+    legacy.save(tmp_path / "model")
+    again = TrainedModel.load(tmp_path / "model")
+    assert again.encoder.inputs == legacy.encoder.inputs
+    assert again.rules == legacy.rules
+    assert again.quiet_survival == legacy.quiet_survival
+    assert again.temperature == legacy.temperature == 1.3
+
+    journeys = pl.read_parquet(FORMAT_1 / "journeys" / "part-00000.parquet")
+    expected = score_frame(legacy, journeys).get_column("conversion_probability").to_numpy()
+    np.testing.assert_allclose(again.predict_proba(journeys), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("stored", "inputs"),
+    [({}, 2), ({"numeric_relative": True}, 3), ({"numeric_inputs": 4}, 4)],
+)
+def test_format_1_models_read_the_numeric_inputs_they_were_trained_with(
+    tmp_path: Path, stored: dict, inputs: int
+) -> None:
+    """Models trained before the relative or the carried input existed keep reading two or
+    three inputs per number; new ones read all of `NUMERIC_INPUTS`."""
+    from journeys.encoding import NUMERIC_INPUTS
+
+    folder = tmp_path / "model"
+    shutil.copytree(FORMAT_1 / "model", folder)
+    settings = json.loads((folder / PREPROCESSING).read_text())
+    settings.pop("numeric_inputs")
+    (folder / PREPROCESSING).write_text(json.dumps({**settings, **stored}))
+    # The weights were made for four inputs: only the settings are read here.
+    assert _read_encoder(folder).inputs.numeric_inputs == inputs
+    assert load_model(str(FORMAT_1 / "model")).settings()["encoder"]["numeric_inputs"] == len(
+        NUMERIC_INPUTS
+    )
+
+
+def _read_encoder(folder: Path):
+    from journeys.model import ModelConfig
+    from journeys.trained_model import MODEL_CONFIG, _migrate_format_1, _read_settings
+    from journeys.vocab import Vocabularies
+
+    config = ModelConfig.from_dict(json.loads((folder / MODEL_CONFIG).read_text()))
+    stored = _migrate_format_1(json.loads((folder / PREPROCESSING).read_text()), config)
+    return _read_settings(stored, Vocabularies.load(folder), config)[0]
+
+
+def test_a_model_from_a_newer_version_is_refused_with_one_line(tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(FORMAT_1 / "model", folder)
+    (folder / PREPROCESSING).write_text(json.dumps({"format_version": 99}))
+    with pytest.raises(InputError, match=r"format 99 is newer .* upgrade journeys"):
+        TrainedModel.load(folder)
+
+
+def test_only_the_trained_model_module_reads_the_saved_settings() -> None:
+    """The saved model's settings have one reader: every other module goes through the
+    typed `TrainedModel`."""
+    library = Path(__file__).resolve().parents[1] / "journeys"
+    readers = {
+        path.name
+        for path in library.glob("*.py")
+        if "PREPROCESSING" in path.read_text() or "preprocessing.json" in path.read_text()
+    }
+    assert readers == {"trained_model.py"}
+
+
+def test_a_format_1_architecture_without_the_newer_keys_is_what_it_was(tmp_path: Path) -> None:
+    """Keys `ModelConfig` gained later take the values older models were built with, not
+    today's defaults (here: positions counted from the start, not from the end)."""
+    from journeys.model import ModelConfig
+    from journeys.trained_model import FORMAT_1_ARCHITECTURE, MODEL_CONFIG
+
+    folder = tmp_path / "model"
+    shutil.copytree(FORMAT_1 / "model", folder)
+    architecture = json.loads((folder / MODEL_CONFIG).read_text())
+    assert architecture.pop("position_origin") == "end"  # written by the code of its day
+    (folder / MODEL_CONFIG).write_text(json.dumps(architecture))
+    assert TrainedModel.load(folder).config.position_origin == "start"
+    defaults = ModelConfig(vocab_size=5)
+    assert all(
+        getattr(defaults, key) != value
+        for key, value in FORMAT_1_ARCHITECTURE.items()
+        if key in ("pooling", "position_origin", "visit_bucket", "n_continuous")
+    )
