@@ -51,8 +51,9 @@ MAX_CATEGORIES = 254
 class BaselineResult:
     name: str
     run_id: str | None
-    metrics: dict[str, float]
-    probs: np.ndarray
+    metrics: dict[str, float]  # test_* and val_roc_auc
+    probs: np.ndarray  # on the test journeys, in their order
+    val_probs: np.ndarray  # on the val journeys, in their order: what promotion compares
 
 
 # ----------------------------------------------------------------------------- features
@@ -384,12 +385,14 @@ def ahead_of_transformer(
 def run_baselines(
     names: list[str],
     train: pl.DataFrame,
+    val: pl.DataFrame,
     test: pl.DataFrame,
     config: Config,
     workdir: Path,
     tags: dict[str, str] | None = None,
 ) -> list[BaselineResult]:
-    """Fit, score and log each baseline as its own MLflow run; return their test metrics."""
+    """Fit each baseline on `train`, score `val` (what promotion compares the transformer
+    with) and `test` (what is reported), and log it as its own MLflow run."""
     from journeys import metrics as M
     from journeys import plots, tracking
 
@@ -401,7 +404,7 @@ def run_baselines(
         probs = fit_predict(
             name,
             train,
-            test,
+            pl.concat([val, test], how="diagonal_relaxed"),  # one fit scores both
             config.data.features,
             config.train.bigrams,
             config.train.seed,
@@ -409,7 +412,11 @@ def run_baselines(
             visit_gap_s=config.model.visit_gap_s,
             numeric_features=config.data.numeric_features,
         )
+        val_probs, probs = probs[: val.height], probs[val.height :]
         scores = M.binary_metrics(labels, probs)
+        scores["val_roc_auc"] = M.binary_metrics(
+            _labels(val), val_probs, prefix="val_", intervals=False
+        )["val_roc_auc"]
         family = f"baseline_{name}"
         family_tags = {tracking.MODEL_FAMILY_TAG: family, **(tags or {})}
         with tracking.mlflow_run(
@@ -423,5 +430,5 @@ def run_baselines(
                 run.log_artifact(
                     plot(labels, {family: probs}, folder / f"{plot.__name__[5:]}.png"), "plots"
                 )
-        results.append(BaselineResult(name, run.run_id, scores, probs))
+        results.append(BaselineResult(name, run.run_id, scores, probs, val_probs))
     return results

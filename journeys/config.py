@@ -348,6 +348,9 @@ class Train(Section):
     # have them): on small data it draws more negatives, up to all. 0: the share alone.
     # 3000 is about what 12 epochs make at 400k users, where the share met the target.
     min_steps: Annotated[int, Field(ge=0)] = 3000
+    # ... and where the data are too few for that at `batch_size`, batches shrink down to
+    # this, then epochs grow (`journeys.lightning_parts.step_schedule`): small logs train.
+    min_batch_size: Annotated[int, Field(ge=1)] = 32
     patience: Annotated[int, Field(ge=1)] = 8  # validations without a better val metric
     # Validate every this many epochs (and always after the last): validation costs about
     # 0.4 of a sampled epoch at 400k users, and with the cosine decay the last epoch wins.
@@ -383,6 +386,16 @@ class Train(Section):
             if self.monitor == "val_prefix_roc_auc":
                 raise ValueError("monitor: val_prefix_roc_auc needs objective: every_prefix")
         return self
+
+
+class Promotion(Section):
+    """When a trained transformer becomes the registry's champion (`journeys.promotion`)."""
+
+    # Fewer val conversions than this: nothing can be chosen on them, the champion stays
+    # (with 20, a ROC AUC's 95% interval is still about +-0.1 wide).
+    min_val_conversions: Annotated[int, Field(ge=1)] = 20
+    # Of the interval that must clear chance and of the paired test against the baselines.
+    confidence: Annotated[float, Field(gt=0.5, lt=1)] = 0.95
 
 
 class Mlflow(Section):
@@ -448,6 +461,7 @@ class Config(Section):
     model: Model = Field(default_factory=Model)
     train: Train = Field(default_factory=Train)
     mlflow: Mlflow = Field(default_factory=Mlflow)
+    promotion: Promotion = Field(default_factory=Promotion)
     score: Score = Field(default_factory=Score)
     attribution: Attribution = Field(default_factory=Attribution)
     schedule: Schedule = Field(default_factory=Schedule)

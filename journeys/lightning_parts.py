@@ -15,6 +15,7 @@ what changes when the way the network learns changes:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,8 +122,14 @@ class JourneyDataModule(L.LightningDataModule):
 
     @classmethod
     def from_config(
-        cls, config: Config, vocabs: Vocabularies | None = None, negative_fraction: float = 1.0
+        cls,
+        config: Config,
+        vocabs: Vocabularies | None = None,
+        negative_fraction: float = 1.0,
+        batch_size: int | None = None,
     ) -> JourneyDataModule:
+        """The data module of `config`; `batch_size` overrides `train.batch_size` (the
+        run's `step_schedule`)."""
         return cls(
             config.paths.journeys,
             vocabs,
@@ -130,7 +137,8 @@ class JourneyDataModule(L.LightningDataModule):
             model_settings=config.model,
             timezone=config.data.timezone,
             numeric_features=config.data.numeric_features,
-            batch_size=config.train.batch_size,
+            batch_size=batch_size or config.train.batch_size,
+            eval_batch_size=config.train.batch_size,
             num_workers=config.train.num_workers,
             seed=config.train.seed,
             negative_fraction=negative_fraction,
@@ -380,6 +388,42 @@ def min_epoch_journeys(settings: Train, world_size: int) -> int:
     (a step takes `batch_size` journeys on each of `world_size` ranks)."""
     steps_per_epoch = math.ceil(settings.min_steps / settings.max_epochs)
     return steps_per_epoch * settings.batch_size * world_size
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """How many journeys a step takes and how many epochs a run may go (`step_schedule`)."""
+
+    batch_size: int
+    epochs: int
+    steps_per_epoch: int
+    val_every_epochs: int
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+
+def step_schedule(settings: Train, epoch_journeys: float, world_size: int) -> StepSchedule:
+    """The run's schedule, counted in optimiser steps: at least `train.min_steps` where
+    the data allow, whatever their size.
+
+    Large data: `train.batch_size` journeys a step for `train.max_epochs` epochs. An epoch
+    with fewer than `min_steps / max_epochs` batches takes smaller batches (down to
+    `train.min_batch_size`); if that is still too few steps, the run gets more epochs
+    until it makes `min_steps`, validated as often in steps as `max_epochs` epochs would
+    be (so `train.patience` still spans a share of the run, not of its warm-up). Why: a
+    log of a few hundred journeys is one batch an epoch, and 12 steps train nothing.
+    """
+    per_rank = epoch_journeys / max(1, world_size)
+    wanted = math.ceil(settings.min_steps / settings.max_epochs)  # steps an epoch
+    batch = settings.batch_size
+    if wanted:
+        batch = min(batch, max(settings.min_batch_size, math.ceil(per_rank / wanted)))
+    steps = max(1, math.ceil(per_rank / batch))
+    epochs = max(settings.max_epochs, math.ceil(settings.min_steps / steps))
+    val_every = max(settings.val_every_epochs, epochs // settings.max_epochs)
+    return StepSchedule(batch, epochs, steps, val_every)
 
 
 def build_trainer(

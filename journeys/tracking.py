@@ -3,8 +3,8 @@
 The tracking URI comes from `mlflow.tracking_uri` unless `MLFLOW_TRACKING_URI`
 is set (a password in it is never written anywhere: see `config.SecretUri`); runs go to
 experiment `mlflow.experiment`; the registered model is
-`mlflow.registered_model` and its alias `champion` only moves to a version whose
-`test_roc_auc` beats the current champion's.
+`mlflow.registered_model`, and its alias `champion` moves as `journeys.promotion` decides
+on the val split (never on test).
 
 MLflow is imported inside functions: `journeys ui` and the fail-fast checks stay light.
 """
@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities.model_registry import ModelVersion
 
+    from journeys.promotion import Decision
+
 CHAMPION_ALIAS = "champion"
 # Tags the product sets on runs and model versions, and reads back (flows, summaries).
 MODEL_FAMILY_TAG = "model_family"  # transformer, or baseline_<name>
@@ -41,6 +43,9 @@ BEST_CHECKPOINT_TAG = "best_checkpoint"
 REGISTERED_VERSION_TAG = "registered_model_version"  # "<name>/<version>"
 CHAMPION_DECISION_TAG = "champion_decision"  # promoted | kept_previous
 CHAMPION_REASON_TAG = "champion_reason"
+# Which check of `journeys.promotion` decided: promoted, first_champion, below_baseline, ...
+CHAMPION_CHECK_TAG = "champion_check"
+VAL_ROC_AUC_TAG = "val_roc_auc"  # on each model version: what promotion compared
 # On the transformer run: the baselines whose test ROC AUC beat its 95% interval ("none").
 BASELINES_AHEAD_TAG = "baselines_ahead"
 # A tracking server that does not answer this fast is treated as unreachable: training
@@ -324,59 +329,52 @@ class Registration:
     reason: str
 
 
-def _version_roc_auc(client: MlflowClient, version: Any) -> float:
-    """The champion's `test_roc_auc`: its run's metric, else the version tag."""
-    value = version.tags.get("test_roc_auc")
-    if version.run_id:
-        # The run may have been deleted: then the tag set at registration stands.
+def logged_val_roc_auc(uri: str, version: ModelVersion) -> float:
+    """A registered version's val ROC AUC as logged when it was registered (its tag), else
+    its run's best validation AUC; NaN when neither is there."""
+    from mlflow import MlflowClient
+
+    value = version.tags.get(VAL_ROC_AUC_TAG)
+    if value is None and version.run_id:
+        # The run may have been deleted: then there is nothing to compare with.
         with contextlib.suppress(Exception):
-            value = client.get_run(version.run_id).data.metrics.get("test_roc_auc", value)
+            run = MlflowClient(tracking_uri=uri).get_run(version.run_id)
+            value = run.data.metrics.get("best_val_roc_auc")
     try:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
 
 
-def register_model(run: TrackedRun, model_uri: str, name: str, test_roc_auc: float) -> Registration:
-    """Register `model_uri` (logged by `run`) as a new version of `name`; move `champion`
-    only on improvement. The decision (and why) is tagged on both the run and the new version.
-    """
+def register_model(run: TrackedRun, model_uri: str, name: str, decision: Decision) -> Registration:
+    """Register `model_uri` (logged by `run`) as a new version of `name`, and move
+    `champion` to it when `decision` (`journeys.promotion`, on the val split) says so.
+    The decision, its check and why are tagged on both the run and the new version."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    client, run_id = run.client, run.run_id
+    client = run.client
+    auc = decision.val_roc_auc.get("transformer", math.nan)
     with use_tracking_uri(run.uri):  # mlflow.register_model knows no other store
-        version = mlflow.register_model(model_uri, name, tags={"test_roc_auc": str(test_roc_auc)})
+        version = mlflow.register_model(model_uri, name, tags={VAL_ROC_AUC_TAG: str(auc)})
     new = int(version.version)
-    try:
-        champion = client.get_model_version_by_alias(name, CHAMPION_ALIAS)
-    except MlflowException:
-        champion = None
-
-    if not math.isfinite(test_roc_auc):
-        # A degenerate evaluation (no AUC) never moves the alias, not even to a first model.
-        promoted = False
-        reason = f"test_roc_auc is {test_roc_auc}: not a champion"
-    elif champion is None:
-        promoted, reason = True, f"first champion (test_roc_auc {test_roc_auc:.4f})"
-    else:
-        best = _version_roc_auc(client, champion)
-        # NaN never wins against a real number, and a tie keeps the incumbent.
-        promoted = math.isfinite(test_roc_auc) and (not math.isfinite(best) or test_roc_auc > best)
-        relation = ">" if promoted else "<="
-        reason = (
-            f"test_roc_auc {test_roc_auc:.4f} {relation} champion v{champion.version} ({best:.4f})"
-        )
-    if promoted:
+    if decision.promote:
         client.set_registered_model_alias(name, CHAMPION_ALIAS, str(new))
-    champion_version = new if promoted else (int(champion.version) if champion else None)
-
-    decision = "promoted" if promoted else "kept_previous"
-    for key, value in {CHAMPION_DECISION_TAG: decision, CHAMPION_REASON_TAG: reason}.items():
+        champion_version = new
+    else:
+        try:
+            champion_version = int(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version)
+        except MlflowException:
+            champion_version = None
+    tags = {
+        CHAMPION_DECISION_TAG: "promoted" if decision.promote else "kept_previous",
+        CHAMPION_CHECK_TAG: decision.check,
+        CHAMPION_REASON_TAG: decision.summary,
+    }
+    for key, value in tags.items():
         client.set_model_version_tag(name, str(new), key, value)
-        client.set_tag(run_id, key, value)
-    client.set_tag(run_id, REGISTERED_VERSION_TAG, f"{name}/{new}")
-    return Registration(new, champion_version, promoted, reason)
+    run.set_tags({**tags, REGISTERED_VERSION_TAG: f"{name}/{new}"})
+    return Registration(new, champion_version, decision.promote, decision.summary)
 
 
 def champion_version(uri: str, name: str) -> ModelVersion | None:
@@ -426,6 +424,8 @@ def training_summary(uri: str, run_id: str, registered_model: str) -> dict[str, 
         "model_version": int(version) if version else None,
         "champion_version": int(champion.version) if champion else None,
         "promoted": run.data.tags.get(CHAMPION_DECISION_TAG) == "promoted",
+        "champion_check": run.data.tags.get(CHAMPION_CHECK_TAG, ""),
+        "champion_reason": run.data.tags.get(CHAMPION_REASON_TAG, ""),
         "baselines_ahead": [
             name
             for name in run.data.tags.get(BASELINES_AHEAD_TAG, "none").split(",")

@@ -12,11 +12,14 @@
    `paths.checkpoints/<run_id>/`, stopping early on no improvement;
 3. **evaluate**: rank 0 reloads the best checkpoint, scores val and test with the one
    inference path, fits a temperature on val, and computes test metrics and plots;
-4. **log and register**: the metrics, plots and the `TrainedModel` (`journeys.trained_model`)
-   go to the run; the model is registered, and alias `champion` moves only when its
-   `test_roc_auc` beats the champion's;
-5. **baselines**: those in `train.baselines` are fitted and logged as their own runs, and
-   one table compares every model on the test split.
+4. **baselines**: those in `train.baselines` are fitted on train, scored on the same val
+   and test journeys and logged as their own runs;
+5. **choose, log and register**: `journeys.promotion` decides on the val journeys alone
+   whether the transformer becomes the champion (above chance, not behind a baseline by
+   a paired test, ahead of the champion); the metrics, plots, the decision and the
+   `TrainedModel` (`journeys.trained_model`) go to the run, and the model is registered,
+   the `champion` alias moving as decided;
+6. **compare**: one table of every model on the test split, reported, never chosen on.
 
 `--resume` continues the last interrupted training from its `last.ckpt`, in the same
 MLflow run: `paths.checkpoints/latest.json` records the run id beside the checkpoints.
@@ -25,7 +28,6 @@ MLflow run: `paths.checkpoints/latest.json` records the run id beside the checkp
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -52,18 +54,21 @@ from journeys.datasets import (
     small_evaluation_warning,
 )
 from journeys.encoding import fraction_of_negatives, model_config_from
-from journeys.errors import JourneysError
+from journeys.errors import JourneysError, first_line
 from journeys.in_flight import QuietSurvival
 from journeys.inference import attention_by_token, run_model
 from journeys.lightning_parts import (
     LAST_CHECKPOINT,
     JourneyDataModule,
     JourneyModule,
+    StepSchedule,
     build_trainer,
     global_rank,
     min_epoch_journeys,
+    step_schedule,
 )
-from journeys.trained_model import JourneyRules, TrainedModel, log_model
+from journeys.promotion import Decision, decide
+from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_model
 from journeys.vocab import Vocabularies
 
 if TYPE_CHECKING:
@@ -72,16 +77,11 @@ if TYPE_CHECKING:
 
 MODEL_FAMILY = "transformer"
 STATE_FILE = "latest.json"  # in paths.checkpoints: which run/checkpoints --resume continues
+PROMOTION_FILE = "promotion.json"  # the champion decision, logged to the run
 COMPARED_METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
 # A causal model logs its AUC after each of the first this many events (BPIC's 1..20 and
 # more: most journeys are shorter); the weighted average covers every length.
 PREFIX_LENGTHS_LOGGED = 30
-
-
-@dataclass
-class BaselineRun:
-    run_id: str | None
-    metrics: dict[str, float]
 
 
 @dataclass
@@ -153,18 +153,20 @@ def train_command(
                 temperature=evaluation.temperature,
                 quiet_survival=quiet_survival(config),
             )
-            # 4. log and register
             metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
+            # 4. baselines, fitted on train, scored on the same val and test journeys
+            baselines = run_baselines_beside(run, config)
+            # 5. choose on val (never on test), log and register
+            decision = choose(config, uri, fitted, evaluation, baselines)
             registration, model_uri = log_and_register(
-                run, config, trained, evaluation, metrics, best
+                run, config, trained, evaluation, metrics, best, decision
             )
         write_state(root, {**read_state(root), "status": "done"})
         print(
             f"transformer run {run.run_id}: model version {registration.version}; "
-            f"{registration.reason}"
+            f"{decision.summary}"
         )
-        # 5. baselines, and every model side by side
-        baselines = run_baselines_beside(run, config)
+        # 6. every model side by side on test: reported, never chosen on
         scores = evaluation.metrics
         rows = [(MODEL_FAMILY, scores), (f"{MODEL_FAMILY} (calibrated)", _calibrated(scores))]
         rows += [(f"baseline_{name}", result.metrics) for name, result in baselines.items()]
@@ -301,10 +303,17 @@ def fit(
     if fraction < 1:
         # Other negatives every epoch: the Trainer rebuilds the train loader each time.
         trainer.reload_dataloaders_every_n_epochs = 1
+    # Small logs: smaller batches, then more epochs, so the run still makes its steps.
+    schedule = step_schedule(
+        settings, positives + fraction * (n_train - positives), trainer.world_size
+    )
+    trainer.fit_loop.max_epochs = schedule.epochs
+    trainer.check_val_every_n_epoch = schedule.val_every_epochs
     if global_rank() == 0:
-        epoch_journeys = positives + fraction * (n_train - positives)
-        warn_short_run(settings, epoch_journeys, trainer.world_size)
-    datamodule = JourneyDataModule.from_config(config, vocabs, fraction)
+        describe_schedule(settings, schedule)
+    datamodule = JourneyDataModule.from_config(
+        config, vocabs, fraction, batch_size=schedule.batch_size
+    )
     model_config = model_config_from(
         config.model,
         vocabs,
@@ -334,20 +343,22 @@ def load_best(fitted: Fitted, checkpoint_dir: Path) -> str:
     return best
 
 
-def planned_steps(settings: Train, epoch_journeys: float, world_size: int) -> int:
-    """Optimiser steps of a run that goes all `max_epochs` (early stopping may end sooner)."""
-    per_epoch = math.ceil(epoch_journeys / (settings.batch_size * world_size))
-    return per_epoch * settings.max_epochs
-
-
-def warn_short_run(settings: Train, epoch_journeys: float, world_size: int) -> None:
-    """A run whose warm-up outlasts it never trains at `train.lr`: say so before it starts."""
-    steps = planned_steps(settings, epoch_journeys, world_size)
-    if settings.warmup_steps > steps:
+def describe_schedule(settings: Train, schedule: StepSchedule) -> None:
+    """Say when the data changed the schedule, and warn when the warm-up outlasts the run
+    (the learning rate would never reach `train.lr`)."""
+    if (schedule.batch_size, schedule.epochs) != (settings.batch_size, settings.max_epochs):
+        print(
+            f"small log: {schedule.steps_per_epoch} steps an epoch at batch size "
+            f"{schedule.batch_size} (train.batch_size {settings.batch_size}), up to "
+            f"{schedule.epochs} epochs (train.max_epochs {settings.max_epochs}) validated every "
+            f"{schedule.val_every_epochs}, so that the run makes train.min_steps "
+            f"({settings.min_steps}) optimiser steps"
+        )
+    if settings.warmup_steps > schedule.steps:
         print(
             f"warning: train.warmup_steps ({settings.warmup_steps}) is longer than the whole "
-            f"run ({steps} optimiser steps): the learning rate never reaches train.lr; lower "
-            "train.warmup_steps or train more",
+            f"run ({schedule.steps} optimiser steps): the learning rate never reaches "
+            "train.lr; lower train.warmup_steps or train more",
             file=sys.stderr,
         )
 
@@ -363,6 +374,7 @@ class Evaluation:
     plots: dict[str, Path]
     temperature: float
     test_logits: np.ndarray
+    val_logits: np.ndarray  # in the order of the data module's val split
 
 
 def evaluate(fitted: Fitted, workdir: Path) -> Evaluation:
@@ -410,7 +422,7 @@ def evaluate(fitted: Fitted, workdir: Path) -> Evaluation:
         ),
         "attention_table": workdir / "attention_by_event_type.json",
     }
-    return Evaluation(scores, files, temperature, test_logits)
+    return Evaluation(scores, files, temperature, test_logits, val_logits)
 
 
 def prefix_metrics(
@@ -454,32 +466,14 @@ def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, flo
     return facts
 
 
-# ----------------------------------------------------------------------------- 4. log, register
+# ----------------------------------------------------------------------------- 4. baselines
 
 
-def log_and_register(
-    run: TrackedRun,
-    config: Config,
-    trained: TrainedModel,
-    evaluation: Evaluation,
-    metrics: dict[str, float],
-    best: str,
-) -> tuple[Registration, str]:
-    """Log metrics, plots and the model to the run and register the model; return the
-    registration and the logged model's URI."""
-    run.log_metrics(metrics)
-    for path in evaluation.plots.values():
-        run.log_artifact(path, "plots")
-    run.set_tags({tracking.BEST_CHECKPOINT_TAG: best})
-    with run.active():
-        info = log_model(trained)
-    registration = tracking.register_model(
-        run, info.model_uri, config.mlflow.registered_model, evaluation.metrics["test_roc_auc"]
-    )
-    return registration, info.model_uri
-
-
-# ----------------------------------------------------------------------------- 5. baselines
+@dataclass
+class BaselineRun:
+    run_id: str | None
+    metrics: dict[str, float]
+    val_scores: pl.DataFrame  # journey_id, probability: what promotion compares
 
 
 def run_baselines_beside(run: TrackedRun, config: Config) -> dict[str, BaselineRun]:
@@ -489,19 +483,103 @@ def run_baselines_beside(run: TrackedRun, config: Config) -> dict[str, BaselineR
 
     results = []
     group = {tracking.COMPARISON_GROUP_TAG: run.run_id}
+    frame = labelled(scan_journeys(config.paths.journeys)).collect()
+    val = frame.filter(pl.col("split") == "val")
     if config.train.baselines:
-        frame = labelled(scan_journeys(config.paths.journeys), ("train", "test")).collect()
         with tempfile.TemporaryDirectory(prefix="journeys-baselines-") as tmp:
             results = run_baselines(
                 list(config.train.baselines),
                 frame.filter(pl.col("split") == "train"),
+                val,
                 frame.filter(pl.col("split") == "test"),
                 config,
                 Path(tmp),
                 tags=group,
             )
     run.set_tags(group)
-    return {r.name: BaselineRun(r.run_id, r.metrics) for r in results}
+    ids = val.get_column("journey_id")
+    return {
+        r.name: BaselineRun(
+            r.run_id, r.metrics, pl.DataFrame({"journey_id": ids, "probability": r.val_probs})
+        )
+        for r in results
+    }
+
+
+# ----------------------------------------------------------------------------- 5. choose, register
+
+
+def choose(
+    config: Config,
+    uri: str,
+    fitted: Fitted,
+    evaluation: Evaluation,
+    baselines: dict[str, BaselineRun],
+) -> Decision:
+    """Whether this run's transformer becomes the champion, decided on the val journeys
+    alone (`journeys.promotion`): against chance, the baselines and the champion."""
+    val = labelled(scan_journeys(config.paths.journeys), ("val",)).collect()
+    ids = val.select("journey_id")
+
+    def on_val(scores: pl.DataFrame) -> np.ndarray:
+        return ids.join(scores, on="journey_id", how="left").get_column("probability").to_numpy()
+
+    own = fitted.datamodule.splits["val"]
+    candidate = pl.DataFrame({"journey_id": own.journey_ids, "probability": evaluation.val_logits})
+    return decide(
+        val.get_column("label").to_numpy(),
+        on_val(candidate),
+        {name: on_val(baseline.val_scores) for name, baseline in baselines.items()},
+        champion_val_scores(config, uri, val),
+        config.promotion,
+    )
+
+
+def champion_val_scores(config: Config, uri: str, val: pl.DataFrame) -> np.ndarray | float | None:
+    """The current champion's scores on this run's val journeys (None: no champion yet),
+    or its logged val ROC AUC when it cannot score them (a model of other features)."""
+    name = config.mlflow.registered_model
+    version = tracking.champion_version(uri, name)
+    if version is None:
+        return None
+    try:
+        return load_model(f"models:/{name}/{version.version}", tracking_uri=uri).predict_proba(val)
+    except Exception as err:
+        logged = tracking.logged_val_roc_auc(uri, version)
+        print(
+            f"warning: champion v{version.version} cannot score these val journeys "
+            f"({first_line(err)}): compared by its logged val ROC AUC ({logged:.4f})",
+            file=sys.stderr,
+        )
+        return logged
+
+
+def log_and_register(
+    run: TrackedRun,
+    config: Config,
+    trained: TrainedModel,
+    evaluation: Evaluation,
+    metrics: dict[str, float],
+    best: str,
+    decision: Decision,
+) -> tuple[Registration, str]:
+    """Log metrics, plots, the decision and the model to the run, and register the model
+    (the `champion` alias moves as `decision` says); return the registration and the
+    logged model's URI."""
+    run.log_metrics({**metrics, **{f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}})
+    for path in evaluation.plots.values():
+        run.log_artifact(path, "plots")
+    run.log_dict(decision.to_dict(), PROMOTION_FILE)
+    run.set_tags({tracking.BEST_CHECKPOINT_TAG: best})
+    with run.active():
+        info = log_model(trained)
+    registration = tracking.register_model(
+        run, info.model_uri, config.mlflow.registered_model, decision
+    )
+    return registration, info.model_uri
+
+
+# ----------------------------------------------------------------------------- 6. compare
 
 
 def flag_baselines_ahead(

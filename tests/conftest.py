@@ -144,6 +144,20 @@ def make_journeys_dataset(folder: str | Path, n: int = 400, seed: int = 0) -> Pa
     return folder
 
 
+def make_learnable_journeys(folder: str | Path, n: int = 400, seed: int = 0) -> Path:
+    """`make_journeys_dataset`, relabelled so that a journey with a cart converts (90%)
+    and one without does not (10%): a rule any model that learns picks up from a few
+    hundred journeys, so the champion guard (`journeys.promotion`) promotes it."""
+    folder = make_journeys_dataset(folder, n=n, seed=seed)
+    part = Path(folder) / "part-00000.parquet"
+    frame = pl.read_parquet(part)
+    rng = np.random.default_rng(seed)
+    cart = frame.get_column("event_type").list.contains("add_to_cart").to_numpy()
+    label = (rng.random(frame.height) < np.where(cart, 0.9, 0.1)).astype(np.int8)
+    frame.with_columns(label=pl.Series(label)).write_parquet(part)
+    return Path(folder)
+
+
 @pytest.fixture
 def mlflow_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh SQLite tracking store in tmp_path, with artifacts and cwd there too."""

@@ -7,6 +7,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import make_journeys_dataset
 from mlflow import MlflowClient
@@ -156,9 +157,10 @@ def test_champion_moves_on_improvement_and_stays_on_regression(mlflow_env) -> No
 
     import polars as pl
 
-    from journeys.config import Model
+    from journeys.config import Model, Promotion
     from journeys.encoding import JourneyEncoder
     from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.promotion import decide
     from journeys.trained_model import JourneyRules, TrainedModel, log_model
     from journeys.vocab import Vocabularies, Vocabulary
 
@@ -170,35 +172,47 @@ def test_champion_moves_on_improvement_and_stays_on_regression(mlflow_env) -> No
     )
     client = MlflowClient(mlflow_env)
 
+    labels = np.arange(100) % 4 == 0  # 25 conversions in 100 val journeys
+
     def register(auc: float) -> tracking.Registration:
+        """A version whose val scores reach about `auc` (NaN: noise), registered as
+        `decide` says against the champion's logged val ROC AUC."""
+        noise = np.random.default_rng(0).normal(size=labels.size)
+        scores = noise if math.isnan(auc) else labels * 2 * auc**4 + noise * (1 - auc)
+        champion = tracking.champion_version(mlflow_env, "jc")
+        logged = None if champion is None else tracking.logged_val_roc_auc(mlflow_env, champion)
+        decision = decide(labels, scores, {}, logged, Promotion())
         with tracking.mlflow_run(mlflow_env, "journeys") as run:
-            run.log_metrics({"test_roc_auc": auc})
             with run.active():
                 info = log_model(trained)
-            return tracking.register_model(run, info.model_uri, "jc", auc)
+            return tracking.register_model(run, info.model_uri, "jc", decision)
 
     def champion() -> int:
         return int(client.get_model_version_by_alias("jc", "champion").version)
 
-    degenerate = register(math.nan)  # no AUC: registered, but never the champion
-    assert (degenerate.promoted, degenerate.champion_version) == (False, None)
+    def val_auc(version: int) -> float:
+        return float(client.get_model_version("jc", str(version)).tags["val_roc_auc"])
+
+    noise = register(math.nan)  # below chance: registered, but never the champion
+    assert (noise.promoted, noise.champion_version) == (False, None)
     assert tracking.champion_version(mlflow_env, "jc") is None
     first = register(0.70)
     assert (first.version, first.promoted, champion()) == (2, True, 2)
-    better = register(0.80)
+    better = register(0.90)
     assert (better.version, better.promoted, champion()) == (3, True, 3)
-    worse = register(0.75)
+    assert val_auc(3) > val_auc(2)
+    worse = register(0.80)
     assert (worse.version, worse.promoted, worse.champion_version, champion()) == (4, False, 3, 3)
-    tie = register(0.80)
+    tie = register(0.90)
     assert not tie.promoted and champion() == 3  # must beat, not equal
-    undefined = register(math.nan)
-    assert not undefined.promoted and champion() == 3
 
     version = client.get_model_version("jc", "4")
     assert version.tags["champion_decision"] == "kept_previous"
-    assert "0.7500 <= champion v3 (0.8000)" in version.tags["champion_reason"]
+    assert version.tags["champion_check"] == "not_better_than_champion"
+    assert f"<= champion's {val_auc(3):.4f} (logged)" in version.tags["champion_reason"]
     assert client.get_run(version.run_id).data.tags["champion_decision"] == "kept_previous"
     assert client.get_model_version("jc", "3").tags["champion_decision"] == "promoted"
+    assert client.get_model_version("jc", "1").tags["champion_check"] == "not_above_chance"
 
 
 def test_ui_binds_to_loopback_on_the_configured_store(monkeypatch, capsys) -> None:
@@ -252,6 +266,8 @@ def test_champion_and_training_summary_read_back_from_the_store(mlflow_env, tmp_
     tags |= {
         tracking.REGISTERED_VERSION_TAG: f"{name}/1",
         tracking.CHAMPION_DECISION_TAG: "promoted",
+        tracking.CHAMPION_CHECK_TAG: "first_champion",
+        tracking.CHAMPION_REASON_TAG: "first champion (val ROC AUC 0.7100)",
         tracking.BASELINES_AHEAD_TAG: "hgb_aggregates,last_touch",
     }
     for key, value in tags.items():
@@ -278,6 +294,8 @@ def test_champion_and_training_summary_read_back_from_the_store(mlflow_env, tmp_
         "model_version": 1,
         "champion_version": 1,
         "promoted": True,
+        "champion_check": "first_champion",
+        "champion_reason": "first champion (val ROC AUC 0.7100)",
         "baselines_ahead": ["hgb_aggregates", "last_touch"],
         "metrics": {"test_roc_auc": 0.7},
         "baselines": {"logreg": {"run_id": baseline, "metrics": {"test_roc_auc": 0.6}}},

@@ -14,7 +14,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from conftest import make_journeys_dataset
+from conftest import make_journeys_dataset, make_learnable_journeys
 from mlflow import MlflowClient
 
 from journeys import metrics as M
@@ -31,6 +31,7 @@ TINY = [
     "model.n_layers=1",
     "model.dropout=0.0",
     "train.batch_size=64",
+    "train.min_steps=0",  # exactly train.max_epochs (the step schedule has its own tests)
     "train.warmup_steps=4",
     "train.lr=0.005",
     "train.accelerator=cpu",
@@ -65,8 +66,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
         mp.chdir(tmp)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the config's URI, this time
         mp.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-        make_journeys_dataset(tmp / "journeys", n=400, seed=0)
-        config = tiny_config(tmp, uri, "train.max_epochs=2")
+        # A rule the model learns in enough steps: the champion guard promotes it.
+        make_learnable_journeys(tmp / "journeys", n=400, seed=0)
+        overrides = (
+            "train.max_epochs=2",
+            "train.min_steps=1000",
+            "promotion.min_val_conversions=10",
+        )
+        config = tiny_config(tmp, uri, *overrides)
         fluent_before = mlflow.get_tracking_uri()
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -92,9 +99,14 @@ def test_run_logs_every_contract_metric_param_tag_and_plot(trained) -> None:
     assert 0.5 <= run.data.metrics["test_roc_auc"] <= 1 or math.isnan(
         run.data.metrics["test_roc_auc"]
     )
-    for name in EPOCH_METRICS:  # one value per epoch
+    # Once per epoch (train) or per validation (val): a small log gets more epochs than
+    # train.max_epochs (the step schedule), validated every few of them.
+    epochs = {m.step for m in client.get_metric_history(result.run_id, "train_loss")}
+    for name in EPOCH_METRICS:
         history = client.get_metric_history(result.run_id, name)
-        assert len(history) == 2, name
+        steps = [m.step for m in history]
+        assert len(history) >= 2 and len(set(steps)) == len(steps), name
+        assert set(steps) <= epochs, name
     report = json.loads((Path(config.paths.journeys) / "ingest_report.json").read_text())
     assert run.data.metrics["ingest_rows_read"] == report["rows_read"]
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
@@ -432,6 +444,7 @@ def test_step_floor_keeps_every_negative_on_small_data(tmp_path: Path, mlflow_en
 
     make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
     overrides = ("train.positive_share=0.8", "train.max_epochs=1", "train.baselines=[]")
+    overrides += ("train.min_steps=3000",)  # the default floor (the tiny config has none)
     # The share alone would leave ~5 steps an epoch at batch 64, far below the default floor.
     config = tiny_config(tmp_path, mlflow_env, *overrides)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -618,19 +631,37 @@ def test_few_evaluation_conversions_and_a_warmup_longer_than_the_run_warn(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from journeys.datasets import check_trainable, evaluation_warnings
-    from journeys.train import warn_short_run
+    from journeys.lightning_parts import step_schedule
+    from journeys.train import describe_schedule
 
     make_journeys_dataset(tmp_path / "journeys", n=150, seed=0)
     sizes = check_trainable(tmp_path / "journeys", ["channel", "device"], (0.7, 0.15, 0.15))
     warnings = evaluation_warnings(sizes)
     assert sizes["test"]["positives"] < 30 and any("the test split holds" in w for w in warnings)
     assert all("fewer than 30" in w for w in warnings)
-    settings = load_config(None, ["train.warmup_steps=100", "train.max_epochs=3"]).train
-    warn_short_run(settings, epoch_journeys=256, world_size=1)  # 1 step an epoch: 3 steps
+    overrides = ["train.warmup_steps=100", "train.max_epochs=3", "train.min_steps=0"]
+    settings = load_config(None, overrides).train
+    describe_schedule(settings, step_schedule(settings, 256, 1))  # 1 step an epoch: 3 steps
     err = capsys.readouterr().err
     assert "train.warmup_steps (100) is longer than the whole run (3 optimiser steps)" in err
-    warn_short_run(settings, epoch_journeys=256 * 100, world_size=1)  # 300 steps: fine
+    describe_schedule(settings, step_schedule(settings, 256 * 100, 1))  # 300 steps: fine
     assert capsys.readouterr().err == ""
+
+
+def test_the_schedule_gives_small_logs_their_steps_and_leaves_large_ones_alone() -> None:
+    """Counted in optimiser steps: a few hundred journeys get smaller batches and more
+    epochs until they make `train.min_steps`; a large log keeps the configured ones."""
+    from journeys.lightning_parts import step_schedule
+
+    settings = load_config(None).train  # batch 256, 12 epochs, 3000 steps, batches >= 32
+    large = step_schedule(settings, 400_000 * 0.2, world_size=1)
+    assert (large.batch_size, large.epochs) == (256, 12) and large.steps >= 3000
+    medium = step_schedule(settings, 14_000, world_size=1)  # smaller batches suffice
+    assert medium.batch_size == 56 and medium.epochs == 12 and medium.steps >= 3000
+    small = step_schedule(settings, 150, world_size=1)  # the old rule: 1 batch, 12 steps
+    assert (small.batch_size, small.steps_per_epoch) == (32, 5) and small.steps >= 3000
+    two_ranks = step_schedule(settings, 150, world_size=2)  # a step takes both ranks' batch
+    assert two_ranks.steps_per_epoch == 3 and two_ranks.steps >= 3000
 
 
 @pytest.mark.slow
