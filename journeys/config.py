@@ -348,8 +348,12 @@ class Train(Section):
     # have them): on small data it draws more negatives, up to all. 0: the share alone.
     # 3000 is about what 12 epochs make at 400k users, where the share met the target.
     min_steps: Annotated[int, Field(ge=0)] = 3000
-    # ... and where the data are too few for that at `batch_size`, batches shrink down to
-    # this, then epochs grow (`journeys.lightning_parts.step_schedule`): small logs train.
+    # The fewest optimiser steps any run makes: where the data give fewer at `batch_size`
+    # in `max_epochs`, batches shrink down to `min_batch_size`, then epochs grow
+    # (`journeys.lightning_parts.step_schedule`), so small logs train. 600: below what a
+    # 20k-user log makes already (660), so only smaller logs change; 12 steps (a few
+    # hundred journeys) trained nothing.
+    step_floor: Annotated[int, Field(ge=0)] = 600
     min_batch_size: Annotated[int, Field(ge=1)] = 32
     patience: Annotated[int, Field(ge=1)] = 8  # validations without a better val metric
     # Validate every this many epochs (and always after the last): validation costs about

@@ -405,23 +405,23 @@ class StepSchedule:
 
 
 def step_schedule(settings: Train, epoch_journeys: float, world_size: int) -> StepSchedule:
-    """The run's schedule, counted in optimiser steps: at least `train.min_steps` where
-    the data allow, whatever their size.
+    """The run's schedule, counted in optimiser steps: at least `train.step_floor`,
+    whatever the data's size.
 
-    Large data: `train.batch_size` journeys a step for `train.max_epochs` epochs. An epoch
-    with fewer than `min_steps / max_epochs` batches takes smaller batches (down to
+    Most logs: `train.batch_size` journeys a step for `train.max_epochs` epochs. An epoch
+    with fewer than `step_floor / max_epochs` batches takes smaller batches (down to
     `train.min_batch_size`); if that is still too few steps, the run gets more epochs
-    until it makes `min_steps`, validated as often in steps as `max_epochs` epochs would
+    until it makes `step_floor`, validated as often in steps as `max_epochs` epochs would
     be (so `train.patience` still spans a share of the run, not of its warm-up). Why: a
     log of a few hundred journeys is one batch an epoch, and 12 steps train nothing.
     """
     per_rank = epoch_journeys / max(1, world_size)
-    wanted = math.ceil(settings.min_steps / settings.max_epochs)  # steps an epoch
+    wanted = math.ceil(settings.step_floor / settings.max_epochs)  # steps an epoch
     batch = settings.batch_size
     if wanted:
         batch = min(batch, max(settings.min_batch_size, math.ceil(per_rank / wanted)))
     steps = max(1, math.ceil(per_rank / batch))
-    epochs = max(settings.max_epochs, math.ceil(settings.min_steps / steps))
+    epochs = max(settings.max_epochs, math.ceil(settings.step_floor / steps))
     val_every = max(settings.val_every_epochs, epochs // settings.max_epochs)
     return StepSchedule(batch, epochs, steps, val_every)
 

@@ -351,8 +351,8 @@ def describe_schedule(settings: Train, schedule: StepSchedule) -> None:
             f"small log: {schedule.steps_per_epoch} steps an epoch at batch size "
             f"{schedule.batch_size} (train.batch_size {settings.batch_size}), up to "
             f"{schedule.epochs} epochs (train.max_epochs {settings.max_epochs}) validated every "
-            f"{schedule.val_every_epochs}, so that the run makes train.min_steps "
-            f"({settings.min_steps}) optimiser steps"
+            f"{schedule.val_every_epochs}, so that the run makes train.step_floor "
+            f"({settings.step_floor}) optimiser steps"
         )
     if settings.warmup_steps > schedule.steps:
         print(

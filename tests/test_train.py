@@ -31,7 +31,7 @@ TINY = [
     "model.n_layers=1",
     "model.dropout=0.0",
     "train.batch_size=64",
-    "train.min_steps=0",  # exactly train.max_epochs (the step schedule has its own tests)
+    "train.step_floor=0",  # exactly train.max_epochs (the step schedule has its own tests)
     "train.warmup_steps=4",
     "train.lr=0.005",
     "train.accelerator=cpu",
@@ -70,7 +70,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
         make_learnable_journeys(tmp / "journeys", n=400, seed=0)
         overrides = (
             "train.max_epochs=2",
-            "train.min_steps=1000",
+            "train.step_floor=1000",
             "promotion.min_val_conversions=10",
         )
         config = tiny_config(tmp, uri, *overrides)
@@ -444,7 +444,6 @@ def test_step_floor_keeps_every_negative_on_small_data(tmp_path: Path, mlflow_en
 
     make_journeys_dataset(tmp_path / "journeys", n=600, seed=4)
     overrides = ("train.positive_share=0.8", "train.max_epochs=1", "train.baselines=[]")
-    overrides += ("train.min_steps=3000",)  # the default floor (the tiny config has none)
     # The share alone would leave ~5 steps an epoch at batch 64, far below the default floor.
     config = tiny_config(tmp_path, mlflow_env, *overrides)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -639,7 +638,7 @@ def test_few_evaluation_conversions_and_a_warmup_longer_than_the_run_warn(
     warnings = evaluation_warnings(sizes)
     assert sizes["test"]["positives"] < 30 and any("the test split holds" in w for w in warnings)
     assert all("fewer than 30" in w for w in warnings)
-    overrides = ["train.warmup_steps=100", "train.max_epochs=3", "train.min_steps=0"]
+    overrides = ["train.warmup_steps=100", "train.max_epochs=3", "train.step_floor=0"]
     settings = load_config(None, overrides).train
     describe_schedule(settings, step_schedule(settings, 256, 1))  # 1 step an epoch: 3 steps
     err = capsys.readouterr().err
@@ -653,15 +652,17 @@ def test_the_schedule_gives_small_logs_their_steps_and_leaves_large_ones_alone()
     epochs until they make `train.min_steps`; a large log keeps the configured ones."""
     from journeys.lightning_parts import step_schedule
 
-    settings = load_config(None).train  # batch 256, 12 epochs, 3000 steps, batches >= 32
-    large = step_schedule(settings, 400_000 * 0.2, world_size=1)
-    assert (large.batch_size, large.epochs) == (256, 12) and large.steps >= 3000
-    medium = step_schedule(settings, 14_000, world_size=1)  # smaller batches suffice
-    assert medium.batch_size == 56 and medium.epochs == 12 and medium.steps >= 3000
+    settings = load_config(None).train  # batch 256, 12 epochs, floor 600, batches >= 32
+    for journeys in (400_000 * 0.2, 14_000):  # the demo's 20k users: 55 batches an epoch
+        schedule = step_schedule(settings, journeys, world_size=1)
+        assert (schedule.batch_size, schedule.epochs, schedule.val_every_epochs) == (256, 12, 1)
+    medium = step_schedule(settings, 5_000, world_size=1)  # smaller batches suffice
+    assert medium.batch_size == 100 and medium.epochs == 12 and medium.steps >= 600
     small = step_schedule(settings, 150, world_size=1)  # the old rule: 1 batch, 12 steps
-    assert (small.batch_size, small.steps_per_epoch) == (32, 5) and small.steps >= 3000
+    assert (small.batch_size, small.steps_per_epoch, small.epochs) == (32, 5, 120)
+    assert small.val_every_epochs == 10  # 12 validations, as many as a large log's
     two_ranks = step_schedule(settings, 150, world_size=2)  # a step takes both ranks' batch
-    assert two_ranks.steps_per_epoch == 3 and two_ranks.steps >= 3000
+    assert two_ranks.steps_per_epoch == 3 and two_ranks.steps >= 600
 
 
 @pytest.mark.slow
