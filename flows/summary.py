@@ -99,6 +99,11 @@ def train_markdown(train: dict[str, Any]) -> str:
             f"`{train.get('registered_model')}` ({decision}); champion version: "
             f"**{train.get('champion_version')}**.",
             "",
+            *(
+                [f"Chosen on the validation split: {reason}.", ""]
+                if (reason := train.get("champion_reason"))
+                else []
+            ),
             f"MLflow run `{train.get('run_id')}` in `{train.get('tracking_uri')}`.",
         ]
     )
@@ -205,6 +210,7 @@ def console_summary(summary: dict[str, Any]) -> str:
         *([f"  warning: {warning}"] if (warning := baselines_ahead(train)) else []),
         f"  champion: {train.get('registered_model')} version {train.get('champion_version')} "
         f"(this run's model: version {train.get('model_version')}, {decision})",
+        *([f"    on val: {reason}"] if (reason := train.get("champion_reason")) else []),
         f"  scores{_cached(score)}: {score['rows']:,} journeys in {score['out']}",
         f"  attribution report{_cached(attribution)}: {attribution['out']}",
         f"  MLflow:  {mlflow_ui(summary.get('servers', {}))}",

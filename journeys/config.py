@@ -400,6 +400,10 @@ class Promotion(Section):
     min_val_conversions: Annotated[int, Field(ge=1)] = 20
     # Of the interval that must clear chance and of the paired test against the baselines.
     confidence: Annotated[float, Field(gt=0.5, lt=1)] = 0.95
+    # false: skip the first three checks (enough conversions, above chance, no baseline
+    # ahead) and compare with the champion alone: for plumbing tests and demos on a few
+    # hundred journeys, never for a model users rely on. The decision says it was off.
+    guard: bool = True
 
 
 class Mlflow(Section):

@@ -68,6 +68,8 @@ def decide(
     when there is no champion yet). See the module docstring for the checks."""
     labels = np.asarray(labels).astype(bool)
     conversions, n = int(labels.sum()), labels.size
+    if not settings.guard:
+        return _against_champion(labels, candidate, champion, {}, " (promotion.guard off)")
     if conversions < settings.min_val_conversions or conversions == n:
         return Decision(
             False,
@@ -111,18 +113,34 @@ def decide(
             "(docs/model.md)",
             aucs,
         )
+    return _against_champion(labels, candidate, champion, aucs)
+
+
+def _against_champion(
+    labels: np.ndarray,
+    candidate: np.ndarray,
+    champion: np.ndarray | float | None,
+    aucs: dict[str, float],
+    note: str = "",
+) -> Decision:
+    """The last check: ahead of the champion on the same val journeys (or its logged AUC)."""
+    aucs = {"transformer": _auc(labels, candidate), **aucs}
+    if champion is not None and "champion" not in aucs:
+        aucs["champion"] = float(champion) if np.ndim(champion) == 0 else _auc(labels, champion)
+    auc = aucs["transformer"]
     if champion is None:
-        return Decision(True, "first_champion", f"first champion (val ROC AUC {auc:.4f})", "", aucs)
+        return Decision(
+            True, "first_champion", f"first champion (val ROC AUC {auc:.4f}){note}", "", aucs
+        )
     best = aucs["champion"]
     where = "logged" if np.ndim(champion) == 0 else "on the same val journeys"
     if not (math.isfinite(best) and auc <= best):
-        return Decision(
-            True, "promoted", f"val ROC AUC {auc:.4f} > champion's {best:.4f} ({where})", "", aucs
-        )
+        reason = f"val ROC AUC {auc:.4f} > champion's {best:.4f} ({where}){note}"
+        return Decision(True, "promoted", reason, "", aucs)
     return Decision(
         False,
         "not_better_than_champion",
-        f"val ROC AUC {auc:.4f} <= champion's {best:.4f} ({where}): the champion stays",
+        f"val ROC AUC {auc:.4f} <= champion's {best:.4f} ({where}): the champion stays{note}",
         "",
         aucs,
     )
@@ -131,4 +149,6 @@ def decide(
 def _auc(labels: np.ndarray, scores: np.ndarray) -> float:
     from sklearn.metrics import roc_auc_score
 
+    if labels.all() or not labels.any():
+        return math.nan  # one class: no ranking to measure
     return float(roc_auc_score(labels, scores))

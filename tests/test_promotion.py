@@ -61,6 +61,16 @@ def test_a_candidate_behind_a_baseline_by_the_paired_test_is_not_promoted() -> N
     assert level.promote
 
 
+def test_with_the_guard_off_only_the_champion_is_compared() -> None:
+    labels, _ = val_split()
+    noise = np.random.default_rng(1).normal(size=labels.size)
+    off = Promotion(guard=False)
+    decision = decide(labels, noise, {"logreg": labels * 1.0}, None, off)
+    assert decision.promote and decision.check == "first_champion"
+    assert "(promotion.guard off)" in decision.reason
+    assert decide(labels, noise, {}, labels * 1.0, off).check == "not_better_than_champion"
+
+
 def test_too_few_val_conversions_choose_nothing() -> None:
     labels, signal = val_split(n=100, rate=0.1)
     decision = decide(labels, signal, {}, None, SETTINGS)
