@@ -233,12 +233,16 @@ def random_k(frame: pl.DataFrame, k: int, seed: int) -> pl.DataFrame:
 
 
 def deletion_table(
-    loaded, frame: pl.DataFrame, weights: pl.DataFrame, ks: tuple[int, ...]
+    loaded,
+    frame: pl.DataFrame,
+    weights: pl.DataFrame,
+    ks: tuple[int, ...],
+    methods: tuple[str, ...] = METHODS,
 ) -> pl.DataFrame:
     """Mean drop in probability after deleting the top-k events vs k random events."""
     from journeys.score import score_frame
 
-    lists = ["event_type", "event_time", *loaded.encoder.vocabs.features]
+    lists = ["event_type", "event_time", *loaded.encoder.event_columns]
 
     def probability(journeys: pl.DataFrame) -> pl.DataFrame:
         rebuilt = journeys.join(frame.select("journey_id", "user_id"), on="journey_id")
@@ -251,7 +255,7 @@ def deletion_table(
         eligible = frame.filter(pl.col("event_type").list.len() > k)
         ids = eligible.select("journey_id")
         drops: dict[str, float] = {}
-        for method in METHODS:
+        for method in methods:
             chosen = top_k(weights.join(ids, on="journey_id"), method, k)
             after = probability(delete_events(eligible, chosen, lists))
             drops[method] = _mean_drop(base, after)
@@ -262,7 +266,7 @@ def deletion_table(
             for seed in range(RANDOM_REPEATS)
         ]
         random_drop = float(np.mean(random_drops))
-        for method in METHODS:
+        for method in methods:
             rows.append(
                 {
                     "k": k,

@@ -348,12 +348,13 @@ class Train(Section):
     # have them): on small data it draws more negatives, up to all. 0: the share alone.
     # 3000 is about what 12 epochs make at 400k users, where the share met the target.
     min_steps: Annotated[int, Field(ge=0)] = 3000
-    # The fewest optimiser steps any run makes: where the data give fewer at `batch_size`
+    # The fewest optimiser steps a run makes: where the data give fewer at `batch_size`
     # in `max_epochs`, batches shrink down to `min_batch_size`, then epochs grow
-    # (`journeys.lightning_parts.step_schedule`), so small logs train. 600: below what a
-    # 20k-user log makes already (660), so only smaller logs change; 12 steps (a few
-    # hundred journeys) trained nothing.
-    step_floor: Annotated[int, Field(ge=0)] = 600
+    # (`journeys.lightning_parts.step_schedule`). 0 (off) by default: 600 taught a
+    # 150-journey toy its rule (test AUC 0.47 -> 0.78) but on the committed samples it
+    # was worse on two test splits of three and on one attention deletion test
+    # (`benchmarks/suite.py`, RESULTS.md), so it is a setting to try, not a default.
+    step_floor: Annotated[int, Field(ge=0)] = 0
     min_batch_size: Annotated[int, Field(ge=1)] = 32
     patience: Annotated[int, Field(ge=1)] = 8  # validations without a better val metric
     # Validate every this many epochs (and always after the last): validation costs about

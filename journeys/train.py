@@ -33,6 +33,7 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +143,8 @@ def train_command(
             print(f"training stopped; continue with `journeys train --resume` (run {run.run_id})")
             raise
         best = load_best(fitted, checkpoint_dir)
+        # The labelled journeys, read once for what follows (the baselines, the choice).
+        journeys = labelled(scan_journeys(config.paths.journeys)).collect()
         # 3. evaluate
         print(f"evaluating {best} on val and test, logging the model")
         with tempfile.TemporaryDirectory(prefix="journeys-eval-") as tmp:
@@ -151,13 +154,14 @@ def train_command(
                 encoder=fitted.datamodule.encoder,
                 rules=JourneyRules.from_config(config),
                 temperature=evaluation.temperature,
-                quiet_survival=quiet_survival(config),
+                quiet_survival=quiet_survival(journeys, config.journey.max_gap_delta),
             )
             metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
             # 4. baselines, fitted on train, scored on the same val and test journeys
-            baselines = run_baselines_beside(run, config)
+            baselines = run_baselines_beside(run, config, journeys)
             # 5. choose on val (never on test), log and register
-            decision = choose(config, uri, fitted, evaluation, baselines)
+            val = journeys.filter(pl.col("split") == "val")
+            decision = choose(config, uri, val, fitted, evaluation, baselines)
             registration, model_uri = log_and_register(
                 run, config, trained, evaluation, metrics, best, decision
             )
@@ -444,15 +448,10 @@ def prefix_metrics(
     return out
 
 
-def quiet_survival(config: Config) -> QuietSurvival | None:
+def quiet_survival(journeys: pl.DataFrame, max_gap: timedelta) -> QuietSurvival | None:
     """How long the train split's journeys stay quiet, by outcome: stored with the model
     to score open journeys (`journeys.in_flight`)."""
-    train = (
-        labelled(scan_journeys(config.paths.journeys), ("train",))
-        .select("label", "end_time", "event_time")
-        .collect()
-    )
-    return QuietSurvival.fit(train, config.journey.max_gap_delta)
+    return QuietSurvival.fit(journeys.filter(pl.col("split") == "train"), max_gap)
 
 
 def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, float]:
@@ -476,14 +475,16 @@ class BaselineRun:
     val_scores: pl.DataFrame  # journey_id, probability: what promotion compares
 
 
-def run_baselines_beside(run: TrackedRun, config: Config) -> dict[str, BaselineRun]:
-    """The configured baselines, fitted on train and logged in the same experiment, tagged
-    with the transformer run's id (their comparison group)."""
+def run_baselines_beside(
+    run: TrackedRun, config: Config, frame: pl.DataFrame
+) -> dict[str, BaselineRun]:
+    """The configured baselines, fitted on the train journeys of `frame` (labelled, every
+    split) and logged in the same experiment, tagged with the transformer run's id (their
+    comparison group)."""
     from journeys.baselines import run_baselines
 
     results = []
     group = {tracking.COMPARISON_GROUP_TAG: run.run_id}
-    frame = labelled(scan_journeys(config.paths.journeys)).collect()
     val = frame.filter(pl.col("split") == "val")
     if config.train.baselines:
         with tempfile.TemporaryDirectory(prefix="journeys-baselines-") as tmp:
@@ -512,13 +513,13 @@ def run_baselines_beside(run: TrackedRun, config: Config) -> dict[str, BaselineR
 def choose(
     config: Config,
     uri: str,
+    val: pl.DataFrame,
     fitted: Fitted,
     evaluation: Evaluation,
     baselines: dict[str, BaselineRun],
 ) -> Decision:
-    """Whether this run's transformer becomes the champion, decided on the val journeys
+    """Whether this run's transformer becomes the champion, decided on the `val` journeys
     alone (`journeys.promotion`): against chance, the baselines and the champion."""
-    val = labelled(scan_journeys(config.paths.journeys), ("val",)).collect()
     ids = val.select("journey_id")
 
     def on_val(scores: pl.DataFrame) -> np.ndarray:

@@ -49,7 +49,6 @@ TINY = [
     # A few hundred simulated users: too few to judge a model on (the guard has its own
     # tests); these test the plumbing, which needs a champion.
     "promotion.guard=false",
-    "train.step_floor=0",
     "simulate.users=300",
     "simulate.conversion_rate=0.2",
     "ingest.partitions=3",

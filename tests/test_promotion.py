@@ -108,7 +108,7 @@ def tiny_config(tmp: Path, *overrides: str):
         None,
         [
             "model.d_model=16", "model.n_heads=2", "model.n_layers=1",
-            "train.max_epochs=2", "train.step_floor=0", "train.batch_size=64",
+            "train.max_epochs=2", "train.batch_size=64",
             "train.baselines=[prior,logreg]", "promotion.min_val_conversions=5",
             f"paths.journeys={tmp / 'journeys'}", f"paths.checkpoints={tmp / 'checkpoints'}",
             f"mlflow.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
@@ -187,13 +187,14 @@ def test_the_test_split_never_chooses_the_champion(
 def test_a_150_journey_log_trains_to_a_real_model(
     tmp_path: Path, mlflow_env: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step schedule gives a small log its optimiser steps (smaller batches, more
+    """With `train.step_floor` a small log gets its optimiser steps (smaller batches, more
     epochs): the model learns the toy's rule, where 12 steps would not."""
     make_learnable_journeys(tmp_path / "journeys", n=150)
     config = load_config(
         None,
         [
             "train.baselines=[]",
+            "train.step_floor=600",
             f"paths.journeys={tmp_path / 'journeys'}",
             f"paths.checkpoints={tmp_path / 'checkpoints'}",
             f"mlflow.tracking_uri={mlflow_env}",

@@ -56,7 +56,6 @@ TINY = [
     # One epoch on a few hundred journeys: too little to judge a model on (the champion
     # guard has its own tests); these test what a crash leaves, which needs a champion.
     "promotion.guard=false",
-    "train.step_floor=0",
 ]
 MODEL_URI = "models:/journey-conversion@champion"
 # Fractions of an uninterrupted run's wall time at which the child is killed.

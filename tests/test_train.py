@@ -31,7 +31,6 @@ TINY = [
     "model.n_layers=1",
     "model.dropout=0.0",
     "train.batch_size=64",
-    "train.step_floor=0",  # exactly train.max_epochs (the step schedule has its own tests)
     "train.warmup_steps=4",
     "train.lr=0.005",
     "train.accelerator=cpu",
@@ -638,7 +637,7 @@ def test_few_evaluation_conversions_and_a_warmup_longer_than_the_run_warn(
     warnings = evaluation_warnings(sizes)
     assert sizes["test"]["positives"] < 30 and any("the test split holds" in w for w in warnings)
     assert all("fewer than 30" in w for w in warnings)
-    overrides = ["train.warmup_steps=100", "train.max_epochs=3", "train.step_floor=0"]
+    overrides = ["train.warmup_steps=100", "train.max_epochs=3"]
     settings = load_config(None, overrides).train
     describe_schedule(settings, step_schedule(settings, 256, 1))  # 1 step an epoch: 3 steps
     err = capsys.readouterr().err
@@ -652,7 +651,7 @@ def test_the_schedule_gives_small_logs_their_steps_and_leaves_large_ones_alone()
     epochs until they make `train.min_steps`; a large log keeps the configured ones."""
     from journeys.lightning_parts import step_schedule
 
-    settings = load_config(None).train  # batch 256, 12 epochs, floor 600, batches >= 32
+    settings = load_config(None, ["train.step_floor=600"]).train  # batch 256, 12 epochs
     for journeys in (400_000 * 0.2, 14_000):  # the demo's 20k users: 55 batches an epoch
         schedule = step_schedule(settings, journeys, world_size=1)
         assert (schedule.batch_size, schedule.epochs, schedule.val_every_epochs) == (256, 12, 1)

@@ -1,0 +1,211 @@
+"""The suite a default is chosen on: every log here, the defaults before and after a change.
+
+A default changes only when it is no worse on any log of the suite, for AUC and for
+attribution alike. For each log (the simulator, BPIC 2012 when `../shared` has it, the
+committed samples; the second generator and public real logs are not here yet and are
+said to be missing) this ingests once with the log's configuration and trains with each
+variant, then prints one table: split sizes, test ROC AUC with its interval, the best val
+ROC AUC, `hgb_aggregates` on the same test split, the champion decision, and the
+attention deletion test (mean drop in probability when each test journey loses its
+most-attended event, against a random one: above 1 means attention finds what matters).
+
+    python benchmarks/suite.py                      # the defaults against each candidate
+    python benchmarks/suite.py --logs bpic2012_sample ga4_sample
+
+Variants are `--set` overrides on top of the log's configuration (`VARIANTS`): the
+defaults, and each candidate default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.faithfulness import deletion_table  # noqa: E402
+from benchmarks.recording import machine, record_section  # noqa: E402
+
+WORK = ROOT / "data" / "bench" / "suite"
+SIMULATED_USERS = 20_000  # the demo's log: `make run`
+DELETION_SAMPLE = 1_000  # test journeys in the deletion test
+BASELINES = "train.baselines=[hgb_aggregates]"
+# The defaults, and each candidate default as an override on top of them.
+VARIANTS = {"defaults": [], "step_floor=600": ["train.step_floor=600"]}
+
+
+@dataclass(frozen=True)
+class Log:
+    name: str
+    config: str
+    raw: Path | None  # None: simulated into the work folder
+    note: str
+
+
+LOGS = (
+    Log("simulator", "conf/default.yaml", None, f"{SIMULATED_USERS:,} users, seed 0"),
+    Log("bpic2012", "conf/bpic2012.yaml", ROOT.parent / "shared/data/bpic2012/events.csv.gz",
+        "the full log (../shared, optional)"),
+    Log("bpic2012_sample", "conf/bpic2012.yaml", ROOT / "data/samples/bpic2012/events.csv.gz",
+        "6% committed sample"),
+    Log("ga4_sample", "conf/ga4.yaml", ROOT / "data/samples/ga4/events.jsonl", "committed sample"),
+    Log("segment_sample", "conf/segment.yaml", ROOT / "data/samples/segment/events.jsonl",
+        "committed sample"),
+)  # fmt: skip
+MISSING = (
+    "second generator (other mechanics): not built yet (issue 38, item 4)",
+    "public real logs: none fetched in this run",
+)
+
+
+def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
+    """Ingest `log` once, then train, evaluate and test attention with each variant."""
+    from journeys.config import load_config
+    from journeys.datasets import labelled, scan_journeys
+    from journeys.errors import JourneysError, first_line
+    from journeys.ingest import ingest
+    from journeys.simulate import simulate
+    from journeys.tracking import tracking_uri, training_summary
+    from journeys.train import train_command
+
+    work = WORK / log.name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    raw = log.raw
+    if raw is None:
+        raw = work / "raw"
+        simulate(raw, users=SIMULATED_USERS, seed=0)
+    paths = [
+        f"paths.raw={raw}",
+        f"paths.journeys={work / 'journeys'}",
+        f"paths.quarantine={work / 'quarantine'}",
+    ]
+    rows = []
+    with contextlib.redirect_stdout(io.StringIO()):
+        ingest(load_config(ROOT / log.config, paths))
+    for variant, overrides in variants.items():
+        settings = [
+            *paths,
+            f"paths.checkpoints={work / variant / 'checkpoints'}",
+            f"mlflow.tracking_uri=sqlite:///{work / variant / 'mlflow.db'}",
+            BASELINES,
+            *overrides,
+        ]
+        config = load_config(ROOT / log.config, settings)
+        row = {"log": log.name, "variant": variant}
+        started = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                result = train_command(config)
+        except JourneysError as err:
+            rows.append(row | {"outcome": f"not trainable: {first_line(err)}"})
+            continue
+        metrics = result.metrics
+        test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
+        row |= {
+            "seconds": time.perf_counter() - started,
+            "n": f"{metrics['n_train']:.0f}/{metrics['n_val']:.0f}/{metrics['n_test']:.0f}",
+            "test_auc": metrics["test_roc_auc"],
+            "ci": (metrics["test_roc_auc_ci_low"], metrics["test_roc_auc_ci_high"]),
+            "val_auc": metrics.get("best_val_roc_auc", float("nan")),
+            "hgb_aggregates": result.baselines["hgb_aggregates"].metrics["test_roc_auc"],
+            "champion": training_summary(
+                tracking_uri(config), result.run_id, config.mlflow.registered_model
+            )["champion_check"],
+            "deletion": attention_deletion(result.model_uri, config, test),
+        }
+        rows.append(row)
+    return rows
+
+
+def attention_deletion(model_uri: str, config, test: pl.DataFrame) -> float:
+    """Mean drop when each test journey loses its most-attended event, over a random one."""
+    from journeys.score import score_frame
+    from journeys.tracking import tracking_uri
+    from journeys.trained_model import load_model
+
+    trained = load_model(model_uri, tracking_uri(config))
+    frame = test.filter(pl.col("event_type").list.len() > 1)
+    if frame.height > DELETION_SAMPLE:
+        frame = frame.sample(DELETION_SAMPLE, seed=0)
+    if frame.height == 0:
+        return float("nan")
+    scored = score_frame(trained, frame, attention="pooled")
+    weights = scored.select("journey_id", pooled="attention")
+    # score_frame cut the lists to the events the model read: delete among those.
+    lists = ["event_type", "event_time", *trained.encoder.event_columns]
+    cut = frame.with_columns(scored.select(lists).get_columns())
+    table = deletion_table(trained, cut, weights, (1,), methods=("pooled",))
+    return float(table.get_column("ratio")[0])
+
+
+def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float) -> str:
+    from datetime import date
+
+    lines = [
+        f"## Default suite ({date.today().isoformat()})",
+        "",
+        f"`{command}` ({seconds / 60:.0f} min). {machine()}.",
+        "",
+        "Each log ingested once with its own configuration, trained with the defaults and "
+        "with each candidate default, `hgb_aggregates` on the same splits. Deletion: mean "
+        "drop in probability "
+        "when a test journey loses its most-attended event, over the drop for a random one.",
+        "",
+        "| log | variant | train/val/test | test ROC AUC [95%] | best val ROC AUC "
+        "| hgb_aggregates test | deletion (attention) | champion decision | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "outcome" in row:
+            lines.append(f"| {row['log']} | {row['variant']} | {row['outcome']} |||||||")
+            continue
+        low, high = row["ci"]
+        lines.append(
+            f"| {row['log']} | {row['variant']} | {row['n']} | {row['test_auc']:.4f} "
+            f"[{low:.3f}, {high:.3f}] | {row['val_auc']:.4f} | {row['hgb_aggregates']:.4f} "
+            f"| {row['deletion']:.2f}x | {row['champion']} | {row['seconds']:.0f} |"
+        )
+    lines += ["", *(f"- Not in this run: {line}." for line in skipped), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--logs", nargs="*", default=[log.name for log in LOGS])
+    parser.add_argument("--no-record", action="store_true", help="print, do not touch RESULTS")
+    args = parser.parse_args()
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # each variant has its own store
+    started = time.perf_counter()
+    rows, skipped = [], list(MISSING)
+    for log in LOGS:
+        if log.name not in args.logs:
+            continue
+        if log.raw is not None and not log.raw.exists():
+            skipped.append(f"{log.name}: {log.raw} is not there")
+            continue
+        print(f"{log.name} ({log.note})", flush=True)
+        rows += run_log(log, VARIANTS)
+        print(f"  {rows[-1]}", flush=True)
+    command = "python benchmarks/suite.py " + " ".join(sys.argv[1:])
+    text = markdown(rows, command.strip(), skipped, time.perf_counter() - started)
+    print(text)
+    if not args.no_record:
+        record_section(text)
+
+
+if __name__ == "__main__":
+    main()
