@@ -1,11 +1,13 @@
 """The suite a default is chosen on: every log here, the defaults before and after a change.
 
 A default changes only when it is no worse on any log of the suite, for AUC and for
-attribution alike. For each log (the simulator, BPIC 2012 when `../shared` has it, the
-committed samples; the second generator and public real logs are not here yet and are
-said to be missing) this ingests once with the log's configuration and trains with each
-variant, then prints one table: split sizes, test ROC AUC with its interval, the best val
-ROC AUC, `hgb_aggregates` on the same test split, the champion decision, and the
+attribution alike. For each log (the simulator,
+the second generator with mechanics of its own, BPIC 2012 when `../shared` has it, the
+committed samples, and the public real logs of `benchmarks/public_logs.py` that were
+brought in; a missing one is skipped and said) this ingests once with the log's
+configuration and trains with each variant, then prints one table: split sizes, test ROC
+AUC with its interval, the Bayes-optimal test ROC AUC where a generator knows it, the best
+val ROC AUC, `hgb_aggregates` on the same test split, the champion decision, and the
 attention deletion test (mean drop in probability when each test journey loses its
 most-attended event, against a random one: above 1 means attention finds what matters).
 
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,25 +40,40 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.faithfulness import deletion_table  # noqa: E402
 from benchmarks.recording import machine, record_section  # noqa: E402
+from benchmarks.second_generator import bayes_roc_auc, generate  # noqa: E402
 
 WORK = ROOT / "data" / "bench" / "suite"
 SIMULATED_USERS = 20_000  # the demo's log: `make run`
 DELETION_SAMPLE = 1_000  # test journeys in the deletion test
 BASELINES = "train.baselines=[hgb_aggregates]"
 # The defaults, and each candidate default as an override on top of them.
-VARIANTS = {"defaults": [], "step_floor=600": ["train.step_floor=600"]}
+VARIANTS = {"defaults": [], "wide": ["model.wide=true"]}
+
+
+def simulated(out: Path) -> Path:
+    from journeys.simulate import simulate
+
+    simulate(out, users=SIMULATED_USERS, seed=0)
+    return out
+
+
+def second_generator(out: Path) -> Path:
+    return generate(out, users=SIMULATED_USERS, seed=0)
 
 
 @dataclass(frozen=True)
 class Log:
     name: str
     config: str
-    raw: Path | None  # None: simulated into the work folder
+    raw: Path | None  # None: made by `make` into the work folder
     note: str
+    make: Callable[[Path], Path] | None = None  # writes raw events and their `_truth/`
 
 
 LOGS = (
-    Log("simulator", "conf/default.yaml", None, f"{SIMULATED_USERS:,} users, seed 0"),
+    Log("simulator", "conf/default.yaml", None, f"{SIMULATED_USERS:,} users, seed 0", simulated),
+    Log("second_generator", "conf/default.yaml", None,
+        f"other mechanics, {SIMULATED_USERS:,} users, seed 0", second_generator),
     Log("bpic2012", "conf/bpic2012.yaml", ROOT.parent / "shared/data/bpic2012/events.csv.gz",
         "the full log (../shared, optional)"),
     Log("bpic2012_sample", "conf/bpic2012.yaml", ROOT / "data/samples/bpic2012/events.csv.gz",
@@ -63,10 +82,19 @@ LOGS = (
     Log("segment_sample", "conf/segment.yaml", ROOT / "data/samples/segment/events.jsonl",
         "committed sample"),
 )  # fmt: skip
-MISSING = (
-    "second generator (other mechanics): not built yet (issue 38, item 4)",
-    "public real logs: none fetched in this run",
-)
+
+
+def public_logs() -> tuple[list[Log], list[str]]:
+    """The public real logs of `benchmarks/public_logs.py` brought in, and the missing."""
+    from benchmarks.public_logs import PUBLIC_LOGS
+
+    found, missing = [], []
+    for log in PUBLIC_LOGS:
+        if log.raw_path().is_file():
+            found.append(Log(log.name, log.config, log.raw_path(), log.note))
+        else:
+            missing.append(f"{log.name}: {log.raw} is not there (`{log.bring_in}`)")
+    return found, missing
 
 
 def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
@@ -75,7 +103,6 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
     from journeys.datasets import labelled, scan_journeys
     from journeys.errors import JourneysError, first_line
     from journeys.ingest import ingest
-    from journeys.simulate import simulate
     from journeys.tracking import tracking_uri, training_summary
     from journeys.train import train_command
 
@@ -84,8 +111,8 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
     work.mkdir(parents=True)
     raw = log.raw
     if raw is None:
-        raw = work / "raw"
-        simulate(raw, users=SIMULATED_USERS, seed=0)
+        assert log.make is not None, "a log without a raw path is made"
+        raw = log.make(work / "raw")
     paths = [
         f"paths.raw={raw}",
         f"paths.journeys={work / 'journeys'}",
@@ -113,7 +140,9 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
             continue
         metrics = result.metrics
         test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
+        truth = work / "raw" / "_truth"
         row |= {
+            "bayes": bayes_roc_auc(test, truth) if truth.exists() else float("nan"),
             "seconds": time.perf_counter() - started,
             "n": f"{metrics['n_train']:.0f}/{metrics['n_val']:.0f}/{metrics['n_test']:.0f}",
             "test_auc": metrics["test_roc_auc"],
@@ -163,18 +192,20 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
         "drop in probability "
         "when a test journey loses its most-attended event, over the drop for a random one.",
         "",
-        "| log | variant | train/val/test | test ROC AUC [95%] | best val ROC AUC "
+        "| log | variant | train/val/test | test ROC AUC [95%] | Bayes test | best val ROC AUC "
         "| hgb_aggregates test | deletion (attention) | champion decision | seconds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "outcome" in row:
-            lines.append(f"| {row['log']} | {row['variant']} | {row['outcome']} |||||||")
+            lines.append(f"| {row['log']} | {row['variant']} | {row['outcome']} ||||||||")
             continue
         low, high = row["ci"]
+        bayes = "" if math.isnan(row["bayes"]) else f"{row['bayes']:.4f}"
         lines.append(
             f"| {row['log']} | {row['variant']} | {row['n']} | {row['test_auc']:.4f} "
-            f"[{low:.3f}, {high:.3f}] | {row['val_auc']:.4f} | {row['hgb_aggregates']:.4f} "
+            f"[{low:.3f}, {high:.3f}] | {bayes} | {row['val_auc']:.4f} "
+            f"| {row['hgb_aggregates']:.4f} "
             f"| {row['deletion']:.2f}x | {row['champion']} | {row['seconds']:.0f} |"
         )
     lines += ["", *(f"- Not in this run: {line}." for line in skipped), ""]
@@ -183,16 +214,17 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--logs", nargs="*", default=[log.name for log in LOGS])
+    parser.add_argument("--logs", nargs="*", help="names of logs to run (default: all here)")
     parser.add_argument("--no-record", action="store_true", help="print, do not touch RESULTS")
     args = parser.parse_args()
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # each variant has its own store
     started = time.perf_counter()
-    rows, skipped = [], list(MISSING)
-    for log in LOGS:
-        if log.name not in args.logs:
+    public, skipped = public_logs()
+    rows = []
+    for log in (*LOGS, *public):
+        if args.logs is not None and log.name not in args.logs:
             continue
         if log.raw is not None and not log.raw.exists():
             skipped.append(f"{log.name}: {log.raw} is not there")

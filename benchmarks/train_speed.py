@@ -98,7 +98,8 @@ def torch_encoder_model(model_config):
         def forward(self, tokens, features, time_buckets, mask, attention=None, continuous=None):
             mask = mask.bool()
             lengths = mask.sum(dim=1)
-            x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths, continuous)
+            events = self.event_embeddings(tokens, features, time_buckets, mask, continuous)
+            x, seq_mask = self._sequence(events, mask, lengths)
             h = self.ln_f(self.encoder(x, src_key_padding_mask=~seq_mask))
             pooled = self._pool(h, mask, (lengths - 1).clamp(min=0))
             return ModelOutput(self.head(pooled).squeeze(-1))

@@ -92,11 +92,36 @@ class Paths(Section):
 REQUIRED_COLUMNS = ("user_id", "timestamp", "event_type")
 
 
+# Optional logical columns besides the required ones and the features.
+SEQUENCE_COLUMN = "sequence"  # the order of events that share a timestamp
+
+
+class ConversionFlag(Section):
+    """The conversion as a column of the converting touch, not an event of its own (ad
+    logs: `is_attributed`, `conversion`). The touch stays in its journey; a conversion
+    event `event` is placed at the `time` column's moment (the touch's own without one)."""
+
+    column: str
+    values: list[str] = Field(min_length=1)  # the flag's values that mean converted, as text
+    time: str | None = None  # the conversion's own timestamp column (read like timestamps)
+    event: str = "conversion"  # the conversion event's name in the journeys
+
+    @field_validator("values", mode="before")
+    @classmethod
+    def _as_text(cls, values: Any) -> Any:
+        # `values: [1]` in YAML is a number; flags are compared as the text the file holds.
+        if isinstance(values, list):
+            return [str(v).lower() if isinstance(v, bool) else str(v) for v in values]
+        return values
+
+
 class Data(Section):
     # logical name -> column in the raw log: a name (a dotted path reaches into nested
-    # records of JSON Lines or Parquet: traffic_source.medium), or with `header: false` a
-    # 1-based position. Unmapped logical names are used as-is.
-    columns: dict[str, str | int] = Field(default_factory=dict)
+    # records of JSON Lines or Parquet: traffic_source.medium), a list of the names one
+    # column has had (`user_id: [client_id, clientId]`: each file uses the first it holds),
+    # or with `header: false` a 1-based position. Unmapped logical names are used as-is.
+    # `sequence` (optional) orders events that share a timestamp (a step or hit number).
+    columns: dict[str, str | int | list[str]] = Field(default_factory=dict)
     features: list[str] = Field(default_factory=lambda: ["channel", "device"])
     # Per-event numbers (a price, a cost, an amount, dwell time), mapped like features. An
     # empty value is missing (allowed, and flagged to the model); text that is not a
@@ -108,9 +133,17 @@ class Data(Section):
     timezone: str = "UTC"
     # Epoch numbers: s, ms, us, ns, or auto (each value's magnitude tells); null: ISO 8601.
     timestamp_unit: Literal["s", "ms", "us", "ns", "auto"] | None = None
+    # Text timestamps in another layout (strftime: "%d/%m/%Y %H:%M"), read in `timezone`
+    # unless the layout has an offset (%z); null: ISO 8601 (with or without seconds).
+    timestamp_format: str | None = None
     event_map: dict[str, str] = Field(default_factory=dict)
     conversion_events: list[str] = Field(default_factory=lambda: ["purchase"])
+    # The conversion as a flag column of the converting touch (see ConversionFlag).
+    conversion_flag: ConversionFlag | None = None
     drop_events: list[str] = Field(default_factory=list)
+    # User ids that are not users (a placeholder for anonymous traffic, a test account):
+    # their rows are dropped and counted (dropped_by_config).
+    exclude_users: list[str] = Field(default_factory=list)
     valid_from: datetime | None = None
     valid_until: datetime | None = None
     # Timestamps before this, or later than `plausible_future` after the run, cannot be
@@ -129,13 +162,26 @@ class Data(Section):
         """Every per-event column read besides the required ones: features, then numbers."""
         return [*self.features, *self.numeric_features]
 
+    @property
+    def sequence(self) -> bool:
+        """Whether an order column breaks timestamp ties (`columns.sequence`)."""
+        return SEQUENCE_COLUMN in self.columns
+
+    @property
+    def conversions(self) -> list[str]:
+        """Every event type that converts: `conversion_events` and the flag's event."""
+        flag = [self.conversion_flag.event] if self.conversion_flag else []
+        return [*self.conversion_events, *flag]
+
     @field_validator("columns")
     @classmethod
-    def _known_logical_names(cls, columns: dict[str, str | int]) -> dict[str, str | int]:
+    def _known_logical_names(
+        cls, columns: dict[str, str | int | list[str]]
+    ) -> dict[str, str | int | list[str]]:
         for name, raw in columns.items():
             if isinstance(raw, int) and raw < 1:
                 raise ValueError(f"column position for {name!r} must be 1 or more")
-            if not isinstance(raw, int) and not raw:
+            if not isinstance(raw, int) and (not raw or not all(raw)):
                 raise ValueError(f"column for {name!r} is empty")
         return columns
 
@@ -159,19 +205,26 @@ class Data(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Data:
-        if not self.conversion_events:
-            raise ValueError("conversion_events must name at least one event type")
-        both = set(self.conversion_events) & set(self.drop_events)
+        if not self.conversions:
+            raise ValueError(
+                "conversion_events must name at least one event type (or set conversion_flag)"
+            )
+        both = set(self.conversions) & set(self.drop_events)
         if both:
             raise ValueError(f"events both converting and dropped: {sorted(both)}")
         columns = self.event_columns
-        reserved = set(REQUIRED_COLUMNS) & set(columns)
+        reserved = {*REQUIRED_COLUMNS, SEQUENCE_COLUMN} & set(columns)
         if reserved:
             raise ValueError(f"features cannot be {sorted(reserved)}")
         if len(set(columns)) != len(columns):
             raise ValueError("features (and numeric_features) are listed twice")
         if self.valid_from and self.valid_until and self.valid_from >= self.valid_until:
             raise ValueError("valid_from must be before valid_until")
+        if self.timestamp_format and self.timestamp_unit:
+            raise ValueError(
+                "timestamp_format (text) and timestamp_unit (epoch numbers) "
+                "describe different timestamps: set one"
+            )
         positions = {k: v for k, v in self.columns.items() if isinstance(v, int)}
         if self.header and positions:
             raise ValueError(
@@ -188,10 +241,17 @@ class Data(Section):
 
     def column(self, logical: str) -> str:
         """The raw column for a logical one (user_id, timestamp, event_type, a feature): its
-        name, a dotted path into nested records, or `column_<n>` for position n (the name
-        `journeys.events` gives the n-th column of a file without a header)."""
+        name (the first of its aliases), a dotted path into nested records, or `column_<n>`
+        for position n (the name `journeys.events` gives the n-th column of a file without
+        a header)."""
+        return self.aliases(logical)[0]
+
+    def aliases(self, logical: str) -> list[str]:
+        """Every raw name the logical column may have in a file, in the order tried."""
         raw = self.columns.get(logical, logical)
-        return f"column_{raw}" if isinstance(raw, int) else raw
+        if isinstance(raw, int):
+            return [f"column_{raw}"]
+        return [raw] if isinstance(raw, str) else list(raw)
 
 
 class Journey(Section):
@@ -242,6 +302,16 @@ class Ingest(Section):
     # No row matching data.conversion_events means every label would be 0: stop with exit
     # 2. false: a log ingested only to be scored (scoring a raw log sets it so).
     require_conversions: bool = True
+    # Warnings in the report and the summary (with figures) when a log looks wrong though
+    # no row is: more than this share of journeys take no split because they end within
+    # journey.max_gap of the data's end (a short export; `train` refuses with the fix) ...
+    warn_unsplit_share: Annotated[float, Field(gt=0, le=1)] = 0.5
+    # ... more than this share of conversions label no journey (nothing before them) ...
+    warn_orphan_conversion_share: Annotated[float, Field(gt=0, le=1)] = 0.1
+    # ... one user id holds more than this share of the events (a placeholder id?) ...
+    warn_top_user_share: Annotated[float, Field(gt=0, le=1)] = 0.2
+    # ... a source file's quarantine rate is this many times the other files' (and 5%+).
+    warn_source_quarantine_factor: Annotated[float, Field(gt=1)] = 5.0
 
 
 class Vocab(Section):
@@ -299,6 +369,11 @@ class Model(Section):
     # missing has its own id).
     numeric_encoding: Literal["projection", "buckets"] = "projection"
     numeric_buckets: Annotated[int, Field(ge=2)] = 16
+    # A wide part beside the sequence (Wide & Deep): the mean and maximum of the events'
+    # embeddings and the journey's length, through a small MLP, add a logit of their own.
+    # Journey aggregates are what gradient boosting wins with on many real logs
+    # (`hgb_aggregates`); docs/model.md has the suite it was chosen on.
+    wide: bool = False
 
     @property
     def visit_gap_s(self) -> float | None:
@@ -508,7 +583,10 @@ def _apply_override(tree: dict[str, Any], assignment: str) -> None:
     parts = key.strip().split(".")
     if not all(parts):
         raise ConfigError(f"--set has an empty key part in {key!r}")
-    value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError:  # `%Y-%m-%d`, `@home`: not YAML, so the text as given
+        value = raw_value
     node = tree
     for part in parts[:-1]:
         child = node.setdefault(part, {})
@@ -524,6 +602,10 @@ def _describe(error: ValidationError) -> str:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown key"
+    given = first.get("input")
+    if first["type"] == "string_type" and isinstance(given, int | float):
+        # YAML reads 2024, 1.5 and true as numbers and booleans, not text.
+        message = f"{given!r} is read as a number, not text: quote it ('{given}')"
     return f"{where}: {message}"
 
 

@@ -153,16 +153,18 @@ def check_trainable(
             f"but data.features is {list(features)}: re-run `journeys ingest`"
         )
     sizes = split_sizes(folder)
+    unsplit = unsplit_problem(folder)
     for split in SPLITS:
         if sizes[split]["n"] == 0:
             raise InputError(
-                f"the {split} split of {folder} is empty: more data or other split.fractions"
+                f"the {split} split of {folder} is empty: "
+                + (unsplit or "more data or other split.fractions")
             )
     shares = "/".join(f"{f:g}" for f in fractions) if fractions else None
     for split in SPLITS:
         size = sizes[split]
         if size["positives"] in (0, size["n"]):
-            fix = (
+            fix = unsplit or (
                 f"change split.fractions (now {shares}) or add data"
                 if split != "train" and shares
                 else "add data (or check data.conversion_events)"
@@ -172,6 +174,16 @@ def check_trainable(
                 f"conversions of {size['n']:,} journeys): {fix}"
             )
     return sizes
+
+
+def unsplit_problem(folder: str | Path) -> str | None:
+    """The ingest's short-export warning (most journeys unsplit: `journey.max_gap` long
+    against the data's span) when it gave one: the real fix for an empty or one-class
+    split. None otherwise, or for journeys ingested before the warning existed."""
+    path = Path(folder) / REPORT_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("short_export")
 
 
 def evaluation_warnings(sizes: dict[str, dict[str, int]]) -> list[str]:

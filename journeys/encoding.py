@@ -263,6 +263,7 @@ def model_config_from_sizes(
         max_len=max_len,
         visit_bucket=visit_bucket(settings),
         n_continuous=continuous_count(settings.time_encodings, n_numeric, buckets=buckets),
+        wide=settings.wide,
     )
 
 

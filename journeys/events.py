@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo
 import polars as pl
 
 from journeys.config import REQUIRED_COLUMNS as REQUIRED
-from journeys.config import Data, parse_duration
+from journeys.config import SEQUENCE_COLUMN, Data, parse_duration
 from journeys.datasets import UTC_US
 from journeys.errors import InputError, first_line
 
@@ -29,17 +29,29 @@ REASONS = (
     "implausible_timestamp",
     "out_of_range",
     "bad_numeric",
+    "bad_sequence",
 )
 
 SOURCE, ROW = "source_file", "row_number"
 TS = "ts"  # the parsed UTC timestamp; `timestamp` keeps the original text
+# `data.conversion_flag`: the flag's text, its conversion time's text, and that time parsed.
+FLAG, FLAG_TIME, FLAG_TS = "conversion_flag", "conversion_time", "conversion_ts"
+FROM_FLAG = "from_flag"  # on the conversion events `clean_events` adds for flagged touches
 REASON = "reason"
 ROW_HASH = "row_hash"  # a hash of the source row's unread columns (data.dedupe: all_columns)
 
-# Accepted ISO 8601 layouts after normalising `Z` to `+00:00` and a space to `T`.
-_ISO_WITH_OFFSET = "%Y-%m-%dT%H:%M:%S%.f%:z"
-_ISO_NAIVE = "%Y-%m-%dT%H:%M:%S%.f"
+# Accepted ISO 8601 layouts after normalising `Z` to `+00:00` and a space to `T`: with
+# seconds (and fractions) or without, with an offset or naive (read in `data.timezone`).
+_ISO_WITH_OFFSET = ("%Y-%m-%dT%H:%M:%S%.f%:z", "%Y-%m-%dT%H:%M%:z")
+_ISO_NAIVE = ("%Y-%m-%dT%H:%M:%S%.f", "%Y-%m-%dT%H:%M")
 _ISO_DATE = "%Y-%m-%d"
+# Layouts offered, in the all-rows-failed message, as a `data.timestamp_format` that reads
+# a sample value (the first that does).
+COMMON_FORMATS = (
+    "%Y-%m-%d %H:%M:%S", "%Y-%m-%d %H:%M", "%Y/%m/%d %H:%M:%S", "%Y/%m/%d %H:%M",
+    "%d/%m/%Y %H:%M:%S", "%d/%m/%Y %H:%M", "%m/%d/%Y %H:%M:%S", "%m/%d/%Y %H:%M",
+    "%d.%m.%Y %H:%M:%S", "%d.%m.%Y %H:%M", "%Y%m%d%H%M%S", "%d-%b-%Y %H:%M:%S",
+)  # fmt: skip
 # The layouts logs mostly hold, as they come (no normalising), each with the zone it
 # implies (None: `data.timezone`). `read_timestamp` parses a batch with the one that reads
 # most of its first `_SAMPLE` values, and only the rows that one fails in every form.
@@ -157,14 +169,17 @@ def parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
         return _from_epoch(raw.cast(pl.Float64, strict=False), data.timestamp_unit)
 
     text = raw.cast(pl.String).str.strip_chars()
+    if data.timestamp_format is not None:
+        return with_format(text, data.timestamp_format, data.timezone)
     iso = text.str.replace(r"[zZ]$", "+00:00").str.replace(" ", "T", literal=True)
     # Give the formats explicitly: inference has silently returned all-null columns
     # (docs/stack.md).
-    with_offset = iso.str.to_datetime(
-        _ISO_WITH_OFFSET, strict=False, time_zone="UTC", time_unit="us"
+    with_offset = pl.coalesce(
+        iso.str.to_datetime(layout, strict=False, time_zone="UTC", time_unit="us")
+        for layout in _ISO_WITH_OFFSET
     )
     naive = pl.coalesce(
-        iso.str.to_datetime(_ISO_NAIVE, strict=False, time_unit="us"),
+        *(iso.str.to_datetime(layout, strict=False, time_unit="us") for layout in _ISO_NAIVE),
         iso.str.to_datetime(_ISO_DATE, strict=False, time_unit="us"),
     )
     parsed = pl.coalesce(with_offset, local_to_utc(naive, data.timezone))
@@ -174,12 +189,30 @@ def parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
     return parsed.cast(UTC_US)
 
 
+def with_format(text: pl.Expr, layout: str, timezone: str) -> pl.Expr:
+    """Text in a strftime `layout` -> datetime[us, UTC]: read in `timezone` unless the
+    layout holds an offset (%z); null where it does not match."""
+    if "%z" in layout or "%:z" in layout:
+        return text.str.to_datetime(layout, strict=False, time_zone="UTC", time_unit="us")
+    naive = text.str.to_datetime(layout, strict=False, time_unit="us")
+    return local_to_utc(naive, timezone).cast(UTC_US)
+
+
+def format_that_reads(value: str) -> str | None:
+    """The first of `COMMON_FORMATS` that reads `value` (for an error message), or None."""
+    for layout in COMMON_FORMATS:
+        parsed = pl.Series([value.strip()]).str.to_datetime(layout, strict=False)
+        if parsed.null_count() == 0:
+            return layout
+    return None
+
+
 def read_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
     """`parse_timestamp`, faster on text: each batch is parsed with the one layout that
     reads a sample of it (`_FAST_FORMATS`) and only the rows that layout fails go through
     every form, so a uniform log is parsed once instead of once per form. Same values;
     epoch text (`data.timestamp_unit`) and typed columns take `parse_timestamp` whole."""
-    if dtype != pl.String or data.timestamp_unit is not None:
+    if dtype != pl.String or data.timestamp_unit is not None or data.timestamp_format:
         return parse_timestamp(raw, dtype, data)
 
     def parse(text: pl.Series) -> pl.Series:
@@ -268,41 +301,51 @@ def column_expr(raw: str, schema: pl.Schema) -> tuple[pl.Expr, pl.DataType] | No
     return None
 
 
-def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
+def read_columns(data: Data) -> dict[str, list[str]]:
+    """Every logical column read -> the raw names it may have (`Data.aliases`): the required
+    ones, the features, then the sequence and the conversion flag (and its time) if set."""
+    names = {logical: data.aliases(logical) for logical in (*REQUIRED, *data.event_columns)}
+    if data.sequence:
+        names[SEQUENCE_COLUMN] = data.aliases(SEQUENCE_COLUMN)
+    if data.conversion_flag is not None:
+        names[FLAG] = [data.conversion_flag.column]
+        if data.conversion_flag.time is not None:
+            names[FLAG_TIME] = [data.conversion_flag.time]
+    return names
+
+
+def _read_file(
+    path: Path, data: Data, names: dict[str, list[str]]
+) -> tuple[pl.LazyFrame, list[str], list[str]]:
     """One file -> the logical columns as text, plus `ts`, the source file and row number
-    (and, for `data.dedupe: all_columns`, a hash of the whole source row)."""
+    (and, for `data.dedupe: all_columns`, a hash of the whole source row); also the optional
+    logical columns it lacks (null here) and the columns it has.
+
+    A required column missing is an error; a feature, the sequence or the flag missing from
+    one file is null there (a header that changed between exports): `scan_events` refuses
+    one that no file has."""
     fmt = _format_of(path) if data.format == "auto" else data.format
     if fmt is None:
-        raise InputError(f"{path}: unsupported file type (use csv, tsv, jsonl or parquet)")
+        raise InputError(
+            f"{path}: unsupported file type {path.suffix!r}: name the format with "
+            "data.format (csv, jsonl or parquet; .tsv is csv)"
+        )
     try:
         frame = _scan(path, fmt, data)
         schema = frame.collect_schema()
     except (pl.exceptions.PolarsError, OSError, ValueError) as err:
         raise InputError(f"{path}: cannot read as {fmt}: {first_line(err)}") from None
 
-    raw_names = {logical: data.column(logical) for logical in text_columns}
-    found = {logical: column_expr(raw, schema) for logical, raw in raw_names.items()}
-    missing = [f"{raw_names[name]} ({name})" for name, hit in found.items() if hit is None]
+    found: dict[str, tuple[pl.Expr, pl.DataType, str] | None] = {}
+    for logical, aliases in names.items():
+        hits = ((column_expr(raw, schema), raw) for raw in aliases)
+        found[logical] = next(((*hit, raw) for hit, raw in hits if hit is not None), None)
+    missing = [name for name in REQUIRED if found[name] is None]
     if missing:
-        # Without a header row the required columns go missing too.
-        headerless = data.header and any(found[name] is None for name in REQUIRED)
-        hint = "the file has no header row? set data.header: false" if headerless else ""
-        listed = [
-            key
-            for key, names in (
-                ("features", data.features),
-                ("numeric_features", data.numeric_features),
-            )
-            if any(found[name] is None for name in names)
-        ]
-        remedy = " or drop it from " + " / ".join(f"data.{key}" for key in listed) if listed else ""
-        raise InputError(
-            f"{path}: missing column(s) {', '.join(missing)}; see data.columns{remedy}"
-            + (f" ({hint})" if hint and fmt == "csv" else "")
-        )
-    columns = {name: hit for name, hit in found.items() if hit is not None}
+        raise InputError(missing_columns_message(path, data, names, missing, schema, fmt))
+    absent = [name for name, hit in found.items() if hit is None]
 
-    ts_raw, ts_type = columns["timestamp"]
+    ts_raw, ts_type, _ = found["timestamp"]  # type: ignore[misc]
     # with_row_index streams; an int_range over pl.len() would make the scan collect first
     # (1.3 GB instead of 0.85 GB peak at 10M events, same output).
     index = "__journeys_row_index"  # not ROW: the raw file may have a `row_number` column
@@ -313,7 +356,8 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
         # as they are, the others through one hash (a nested record a feature reads from
         # is hashed whole). A log with no other column hashes nothing.
         # Sorted: files that hold the same columns in another order hash alike.
-        unread = sorted(name for name in schema.names() if name not in raw_names.values())
+        used = {hit[2] for hit in found.values() if hit is not None}
+        unread = sorted(name for name in schema.names() if name not in used)
         if not unread:
             row_hash = pl.lit(0, pl.UInt32)
         else:
@@ -322,12 +366,51 @@ def _read_file(path: Path, data: Data, text_columns: list[str]) -> pl.LazyFrame:
             # column read (the same user, instant, event and features), a handful at most.
             row_hash = (unread_values.hash(seed=0) % (1 << 32)).cast(pl.UInt32)
         extra.append(row_hash.alias(ROW_HASH))
-    return frame.with_row_index(index, offset=1).select(
-        *[expr.cast(pl.String).alias(logical) for logical, (expr, _) in columns.items()],
+    if FLAG_TIME in names:
+        hit = found[FLAG_TIME]
+        flag_ts = pl.lit(None, UTC_US) if hit is None else read_timestamp(hit[0], hit[1], data)
+        extra.append(flag_ts.alias(FLAG_TS))
+    text = [
+        (pl.lit(None, pl.String) if hit is None else hit[0].cast(pl.String)).alias(logical)
+        for logical, hit in found.items()
+    ]
+    selected = frame.with_row_index(index, offset=1).select(
+        *text,
         read_timestamp(ts_raw, ts_type, data).alias(TS),
         pl.lit(str(path)).alias(SOURCE),
         pl.col(index).cast(pl.Int64).alias(ROW),
         *extra,
+    )
+    return selected, absent, schema.names()
+
+
+def missing_columns_message(
+    path: Path,
+    data: Data,
+    names: dict[str, list[str]],
+    missing: list[str],
+    schema: pl.Schema,
+    fmt: str,
+) -> str:
+    """One line: which logical columns no name of reads, what the file has, and the fix."""
+    listed = ", ".join(f"{' / '.join(names[name])} ({name})" for name in missing)
+    shown = [name if name.isprintable() and name else repr(name) for name in schema.names()]
+    has = ", ".join(shown[:20]) + (", ..." if len(shown) > 20 else "")
+    # Without a header row the required columns go missing too.
+    headerless = data.header and any(name in REQUIRED for name in missing) and fmt == "csv"
+    hint = "; the file has no header row? set data.header: false" if headerless else ""
+    keys = [
+        key
+        for key, logical in (
+            ("features", data.features),
+            ("numeric_features", data.numeric_features),
+        )
+        if set(logical) & set(missing)
+    ]
+    remedy = " or drop it from " + " / ".join(f"data.{key}" for key in keys) if keys else ""
+    return (
+        f"{path}: missing column(s) {listed}; the file has: {has}; name them in data.columns"
+        f" (a list gives a column's other names){remedy}{hint}"
     )
 
 
@@ -343,8 +426,15 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
     `reason` is null for a valid row, else the quarantine reason code.
     """
     sources = resolve_sources(raw)
-    columns = [*REQUIRED, *data.event_columns]
-    rows = pl.concat([_read_file(path, data, columns) for path in sources], how="vertical")
+    names = read_columns(data)
+    read = [_read_file(path, data, names) for path in sources]
+    nowhere = set.intersection(*(set(absent) for _, absent, _ in read)) if read else set()
+    if nowhere:
+        missing = [name for name in names if name in nowhere]
+        schema = pl.Schema(dict.fromkeys(read[0][2], pl.String()))
+        fmt = _format_of(sources[0]) or data.format
+        raise InputError(missing_columns_message(sources[0], data, names, missing, schema, fmt))
+    rows = pl.concat([frame for frame, _, _ in read], how="vertical")
     user = pl.col("user_id").str.strip_chars()
     event = pl.col("event_type").str.strip_chars()
     valid_from = as_utc(data.valid_from, data.timezone)
@@ -364,12 +454,22 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
         bad_numeric = bad_numeric | (
             given & ~parse_number(pl.col(name)).is_finite().fill_null(False)
         )
+    bad_sequence = pl.lit(False)
+    if data.sequence:
+        given = pl.col(SEQUENCE_COLUMN).str.strip_chars() != ""
+        bad_sequence = given & parse_number(pl.col(SEQUENCE_COLUMN)).is_null()
+    flagged_time_unread = pl.lit(False)
+    if FLAG_TIME in names:  # a conversion time given but not read: no place for it
+        given = pl.col(FLAG_TIME).str.strip_chars() != ""
+        flagged_time_unread = (converted_expr(data) & given & pl.col(FLAG_TS).is_null()).fill_null(
+            False
+        )
     reason = (
         pl.when(user.is_null() | (user == ""))
         .then(pl.lit("missing_user_id"))
         .when(event.is_null() | (event == ""))
         .then(pl.lit("missing_event_type"))
-        .when(pl.col(TS).is_null())
+        .when(pl.col(TS).is_null() | flagged_time_unread)
         .then(pl.lit("bad_timestamp"))
         .when(implausible)
         .then(pl.lit("implausible_timestamp"))
@@ -377,8 +477,17 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
         .then(pl.lit("out_of_range"))
         .when(bad_numeric)
         .then(pl.lit("bad_numeric"))
+        .when(bad_sequence)
+        .then(pl.lit("bad_sequence"))
     )
     return rows.with_columns(reason.alias(REASON)), [str(p) for p in sources]
+
+
+def converted_expr(data: Data) -> pl.Expr:
+    """True on a row whose `data.conversion_flag` column holds one of its values."""
+    assert data.conversion_flag is not None
+    flag = data.conversion_flag
+    return pl.col(FLAG).str.strip_chars().is_in(flag.values).fill_null(False)
 
 
 def user_bucket(n_buckets: int) -> pl.Expr:
@@ -390,7 +499,9 @@ def user_bucket(n_buckets: int) -> pl.Expr:
 class CleanEvents:
     """One bucket's valid rows after de-duplication and configured drops."""
 
-    events: pl.DataFrame  # user_id, ts, event_type, <features>, source_file, row_number
+    # user_id, ts, event_type, <features>, [sequence], source_file, row_number, and for a
+    # conversion flag, `from_flag` (True on the conversion event placed after its touch)
+    events: pl.DataFrame
     rows_valid: int  # before de-duplication and drops
     duplicates_dropped: int
     dropped_by_config: int
@@ -401,7 +512,7 @@ class CleanEvents:
 def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
     """De-duplicate valid rows, normalise values, apply `event_map` and `drop_events`;
     numeric features become Float64 (null where empty)."""
-    columns = [*REQUIRED, *data.event_columns]
+    columns = list(read_columns(data))
     # Copies: identical original values in every column of the source (all_columns: the
     # columns read, and the hash of the whole row to tell apart rows that differ elsewhere),
     # in the columns read only (read_columns), or no row is a copy (none).
@@ -421,16 +532,45 @@ def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
         *[pl.col(name).str.strip_chars() for name in data.features],
         *[parse_number(pl.col(name)) for name in data.numeric_features],
     )
-    kept = (
-        deduped.filter(~pl.col("event_type").is_in(data.drop_events))
-        if data.drop_events
-        else deduped
+    dropped = pl.col("event_type").is_in(data.drop_events) | pl.col("user_id").is_in(
+        data.exclude_users
     )
+    kept = deduped.filter(~dropped) if data.drop_events or data.exclude_users else deduped
+    order = [parse_number(pl.col(SEQUENCE_COLUMN)).alias(SEQUENCE_COLUMN)] if data.sequence else []
+    events = kept.select("user_id", TS, "event_type", *data.event_columns, *order, SOURCE, ROW)
+    if data.conversion_flag is not None:
+        events = events.with_columns(pl.lit(False).alias(FROM_FLAG))
+        events = pl.concat([events, flagged_conversions(kept, data, events.columns)])
     return CleanEvents(
-        events=kept.select("user_id", TS, "event_type", *data.event_columns, SOURCE, ROW),
+        events=events,
         rows_valid=rows.height,
         duplicates_dropped=rows.height - deduped.height,
         dropped_by_config=deduped.height - kept.height,
         data_end=deduped.get_column(TS).max(),
         event_map_matched=matched,
+    )
+
+
+def flagged_conversions(rows: pl.DataFrame, data: Data, columns: list[str]) -> pl.DataFrame:
+    """A conversion event (`conversion_flag.event`) for each flagged touch in `rows`, at the
+    conversion's time (never before the touch; the touch's own where none is given), with
+    the touch's features, source and row: it sorts right after its touch."""
+    assert data.conversion_flag is not None
+    at = pl.col(TS)
+    if FLAG_TS in rows.columns:
+        at = pl.max_horizontal(pl.coalesce(pl.col(FLAG_TS), at), at)
+    order = [parse_number(pl.col(SEQUENCE_COLUMN)).alias(SEQUENCE_COLUMN)] if data.sequence else []
+    return (
+        rows.filter(converted_expr(data))
+        .select(
+            "user_id",
+            at.alias(TS),
+            pl.lit(data.conversion_flag.event).alias("event_type"),
+            *data.event_columns,
+            *order,
+            SOURCE,
+            ROW,
+            pl.lit(True).alias(FROM_FLAG),
+        )
+        .select(columns)
     )

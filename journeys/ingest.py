@@ -27,19 +27,22 @@ from typing import Any
 
 import polars as pl
 
-from journeys.config import Config
+from journeys.config import SEQUENCE_COLUMN, Config, Data
 from journeys.datasets import NO_SPLIT, PART_FILE, REPORT_FILE, SPLITS, UTC_US, read_journeys
 from journeys.errors import InputError, first_line
 from journeys.events import (
+    FLAG_TS,
+    FROM_FLAG,
     REASON,
     REASONS,
-    REQUIRED,
     ROW,
     ROW_HASH,
     SOURCE,
     TS,
     as_utc,
     clean_events,
+    format_that_reads,
+    read_columns,
     scan_events,
     user_bucket,
 )
@@ -59,13 +62,14 @@ def journey_id_expr(user: str = "user_id", start: str = "start_time") -> pl.Expr
     return pl.format("{}-{}", pl.col(user), pl.col(start).dt.epoch("us"))
 
 
-def sort_events(events: pl.DataFrame, features: list[str]) -> pl.DataFrame:
-    """Order by (user, time), ties by content then source position.
-
-    Breaking timestamp ties by content first makes the result independent of the
-    arrival order of files and rows; rows identical in content are interchangeable.
-    """
-    return events.sort(["user_id", TS, "event_type", *features, SOURCE, ROW], nulls_last=True)
+def sort_events(events: pl.DataFrame, data: Data) -> pl.DataFrame:
+    """Order by user and time; events that share a timestamp by `data.columns.sequence`
+    when the log has one, then as the log holds them (file name, then row in the file),
+    never by their content: a log's own order is the best record of what came first. A
+    conversion from a flag column comes right after its touch."""
+    order = [SEQUENCE_COLUMN] if data.sequence else []
+    flag = [FROM_FLAG] if data.conversion_flag is not None else []
+    return events.sort(["user_id", TS, *order, SOURCE, ROW, *flag], nulls_last=True)
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
     new_user = (pl.col("user_id") != pl.col("user_id").shift(1)).fill_null(True)
     long_gap = (pl.col(TS).diff() > max_gap).fill_null(True)
     tagged = events.with_columns(
-        _conversion=pl.col("event_type").is_in(config.data.conversion_events),
+        _conversion=pl.col("event_type").is_in(config.data.conversions),
         _visit=(new_user | long_gap).cum_sum(),
     )
     dropped_after = 0
@@ -140,6 +144,8 @@ class Staged:
     rows_read: int
     sources: list[str]
     quarantined: dict[str, int] = field(default_factory=dict)  # reason -> rows
+    # source file -> {"rows": read, "quarantined": of them}
+    by_source: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 # The passes' own files, read back once or twice and deleted: written for speed (lz4), not
@@ -169,10 +175,20 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
     files = [f for p in partitions for f in p.glob("*.parquet")] + quarantine
     rows_read = pl.scan_parquet(files).select(pl.len()).collect().item() if files else 0
     quarantined = dict.fromkeys(REASONS, 0)
+    by_source = {source: {"rows": 0, "quarantined": 0} for source in sources}
+    if files:
+        per_source = (
+            pl.scan_parquet(files)
+            .group_by(SOURCE)
+            .agg(rows=pl.len(), quarantined=pl.col(REASON).is_not_null().sum())
+            .collect()
+        )
+        for row in per_source.iter_rows(named=True):
+            by_source[row[SOURCE]] = {"rows": row["rows"], "quarantined": row["quarantined"]}
     if quarantine:
         counts = pl.scan_parquet(quarantine).group_by(REASON).len().collect()
         quarantined |= dict(counts.iter_rows())  # type: ignore[arg-type]
-    return Staged(folder, partitions, quarantine, rows_read, sources, quarantined)
+    return Staged(folder, partitions, quarantine, rows_read, sources, quarantined, by_source)
 
 
 @dataclass(frozen=True)
@@ -190,6 +206,9 @@ class PartitionResult:
     data_end: datetime | None
     conversions: int = 0  # conversion events among the valid rows
     event_map_matched: frozenset[str] = frozenset()  # data.event_map keys found in the rows
+    conversions_by_source: dict[str, int] = field(default_factory=dict)
+    top_user: tuple[str, int] | None = None  # the user with the most events, and how many
+    events: int = 0  # events kept (after de-duplication and drops)
 
 
 def build_partition(partition: Path | None, config: Config, out: Path) -> PartitionResult:
@@ -199,9 +218,14 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
     else:
         rows = pl.read_parquet(sorted(partition.glob("*.parquet")))
     clean = clean_events(rows.drop(REASON), config.data)
-    conversions = list(config.data.conversion_events)
-    built = build_journeys(sort_events(clean.events, config.data.event_columns), config)
+    conversions = config.data.conversions
+    built = build_journeys(sort_events(clean.events, config.data), config)
     built.journeys.write_parquet(out, compression=SCRATCH_COMPRESSION)
+    converting = clean.events.filter(pl.col("event_type").is_in(conversions))
+    by_source = converting.group_by(SOURCE).len()
+    per_user = (
+        clean.events.group_by("user_id").len().sort(["len", "user_id"], descending=[True, False])
+    )
     return PartitionResult(
         path=out,
         rows_valid=clean.rows_valid,
@@ -212,19 +236,24 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
         users=clean.events.get_column("user_id").n_unique(),
         data_start=clean.events.get_column(TS).min(),
         data_end=clean.data_end,
-        conversions=int(clean.events.get_column("event_type").is_in(conversions).sum()),
+        conversions=converting.height,
         event_map_matched=clean.event_map_matched,
+        conversions_by_source=dict(by_source.iter_rows()),  # type: ignore[arg-type]
+        top_user=per_user.row(0) if per_user.height else None,  # type: ignore[arg-type]
+        events=clean.events.height,
     )
 
 
 def staged_schema(config: Config) -> dict[str, pl.DataType]:
-    text = [*REQUIRED, *config.data.event_columns]  # numbers too: cast when cleaned
+    text = list(read_columns(config.data))  # numbers too: cast when cleaned
+    flag_time = config.data.conversion_flag is not None and config.data.conversion_flag.time
     return {
         **dict.fromkeys(text, pl.String()),
         TS: UTC_US,
         SOURCE: pl.String(),
         ROW: pl.Int64(),
         **({ROW_HASH: pl.UInt32()} if config.data.dedupe == "all_columns" else {}),
+        **({FLAG_TS: UTC_US} if flag_time else {}),
         REASON: pl.String(),
     }
 
@@ -365,6 +394,15 @@ def finish(
         .collect()
     )
     report = make_report(staged, parts, summary, data_end, observed_until)
+    report["max_gap"] = config.journey.max_gap
+    unsplit = report["journeys_by_split"][NO_SPLIT]
+    short = report["journeys"] and unsplit / report["journeys"] > config.ingest.warn_unsplit_share
+    # A short export, apart: `train` refuses an empty split with it (datasets.check_trainable).
+    report["short_export"] = unsplit_warning(report) if short else None
+    report["warnings"] = [
+        *([report["short_export"]] if short else []),
+        *report_warnings(config, report, parts),
+    ]
 
     columns = [*parts_columns(config)]
     write_quarantine(config, staged, quarantine_folder)
@@ -397,9 +435,8 @@ def write_quarantine(config: Config, staged: Staged, quarantine_folder: Path) ->
         quarantine = (
             pl.scan_parquet(staged.quarantine) if staged.quarantine else pl.LazyFrame(schema=schema)
         )
-        quarantine.select(*[name for name in schema if name not in (TS, ROW_HASH)]).sink_parquet(
-            folder / QUARANTINE_FILE
-        )
+        kept = [name for name in schema if name not in (TS, ROW_HASH, FLAG_TS)]
+        quarantine.select(*kept).sink_parquet(folder / QUARANTINE_FILE)
 
 
 # ----------------------------------------------------------------------------- guards
@@ -437,11 +474,41 @@ def check_quarantine(config: Config, staged: Staged, quarantine_folder: Path) ->
     low, high = parsed.collect().row(0)
     seen = f" (timestamps parsed to {low:%Y-%m-%d} .. {high:%Y-%m-%d})" if low else ""
     fix = FIXES.get(reason, "check data.columns").format(unit=config.data.timestamp_unit)
+    if reason == "bad_timestamp":
+        fix = timestamp_fix(config, staged) or fix
     raise InputError(
         f"{total:,} of {staged.rows_read:,} rows ({share:.0%}) were quarantined, most as "
         f"{reason}{seen}: {fix}; the quarantine is in {quarantine_folder}, the journeys "
         f"are unchanged (ingest.max_quarantined_share {config.ingest.max_quarantined_share})"
     )
+
+
+def timestamp_fix(config: Config, staged: Staged) -> str | None:
+    """For timestamps that did not parse: a sample value and the setting that reads it."""
+    sample = (
+        pl.scan_parquet(staged.quarantine)
+        .filter((pl.col(REASON) == "bad_timestamp") & pl.col("timestamp").is_not_null())
+        .select(pl.col("timestamp").str.strip_chars())
+        .head(1)
+        .collect()
+    )
+    if sample.height == 0:
+        return None
+    value = sample.item()
+    if pl.Series([value]).cast(pl.Float64, strict=False).null_count() == 0:
+        setting = "data.timestamp_unit: auto (epoch numbers: s, ms, us or ns)"
+    elif layout := format_that_reads(value):
+        setting = f"data.timestamp_format: '{layout}'"
+    else:
+        setting = "data.timestamp_format (strftime, e.g. '%d/%m/%Y %H:%M') or data.timestamp_unit"
+    now = (
+        f" (now {config.data.timestamp_format!r})"
+        if config.data.timestamp_format
+        else f" (now timestamp_unit {config.data.timestamp_unit})"
+        if config.data.timestamp_unit
+        else " (ISO 8601 is read by default)"
+    )
+    return f"a value such as {value!r} reads with {setting}{now}; check data.columns.timestamp too"
 
 
 def warn_unmatched_event_map(config: Config, parts: list[PartitionResult]) -> None:
@@ -540,6 +607,11 @@ def make_report(
         "observed_until": observed_until,  # conversions seen until: where censoring counts from
         "partitions": len(parts),
         "sources": staged.sources,
+        "by_source": {
+            source: counts
+            | {"conversions": sum(p.conversions_by_source.get(source, 0) for p in parts)}
+            for source, counts in staged.by_source.items()
+        },
     }
     accounted = (
         report["rows_valid"]
@@ -550,6 +622,79 @@ def make_report(
     if report["rows_read"] != accounted:
         raise AssertionError(f"row accounting broken: {report}")  # a bug, never bad input
     return json.loads(json.dumps(report, default=str))
+
+
+def report_warnings(
+    config: Config, report: dict[str, Any], parts: list[PartitionResult]
+) -> list[str]:
+    """What looks wrong in a log though no row is, each with its figures and its fix (the
+    short export apart: `unsplit_warning`)."""
+    settings, warnings = config.ingest, []
+    conversions = sum(p.conversions for p in parts)
+    orphans = report["conversions_without_journey"]
+    if conversions and orphans / conversions > settings.warn_orphan_conversion_share:
+        warnings.append(
+            f"{orphans:,} of {conversions:,} conversions ({orphans / conversions:.0%}) label "
+            "no journey (no event of the user before them in their journey): check that "
+            "the touches and the conversions share data.columns.user_id, or shorten "
+            "journey.max_gap if they come long after the touches"
+        )
+    events = sum(p.events for p in parts)
+    tops = [p.top_user for p in parts if p.top_user]
+    if events and tops and report["users"] >= MIN_USERS_FOR_SKEW:
+        user, count = max(tops, key=lambda top: top[1])
+        if count / events > settings.warn_top_user_share:
+            warnings.append(
+                f"user id {user!r} holds {count:,} of {events:,} events ({count / events:.0%}): "
+                "a placeholder for unknown users? list it in data.exclude_users (its rows are "
+                "then dropped and counted)"
+            )
+    warnings += source_quarantine_warnings(
+        report["by_source"], settings.warn_source_quarantine_factor
+    )
+    return warnings
+
+
+# With fewer users than this, one user holding many events is no sign of a placeholder.
+MIN_USERS_FOR_SKEW = 20
+# A file's quarantine rate below this never warns, however far above the others it is.
+MIN_WARNED_QUARANTINE_RATE = 0.05
+
+
+def source_quarantine_warnings(by_source: dict[str, dict[str, int]], factor: float) -> list[str]:
+    """A warning per source file whose quarantine rate is `factor` times the others'."""
+    warnings = []
+    for source, counts in by_source.items():
+        rows, quarantined = counts["rows"], counts["quarantined"]
+        other_rows = sum(c["rows"] for s, c in by_source.items() if s != source)
+        if not rows or not other_rows:
+            continue
+        rate = quarantined / rows
+        others = sum(c["quarantined"] for s, c in by_source.items() if s != source) / other_rows
+        if rate >= MIN_WARNED_QUARANTINE_RATE and rate > factor * others:
+            warnings.append(
+                f"{source}: {quarantined:,} of {rows:,} rows ({rate:.0%}) quarantined, against "
+                f"{others:.1%} in the other files: a changed header or format? see the "
+                "quarantine's reasons for that file (data.columns takes a list of names)"
+            )
+    return warnings
+
+
+def unsplit_warning(report: dict[str, Any]) -> str:
+    """Most journeys end too near the data's end to be labelled: the log is short against
+    `journey.max_gap`. The same line `train` refuses with."""
+    journeys, unsplit = report["journeys"], report["journeys_by_split"][NO_SPLIT]
+    span = "?"
+    if report.get("data_start") and report.get("data_end"):
+        start = datetime.fromisoformat(str(report["data_start"]))
+        end = datetime.fromisoformat(str(report["data_end"]))
+        span = f"{(end - start).total_seconds() / 86400:.1f} days"
+    return (
+        f"{unsplit:,} of {journeys:,} journeys ({unsplit / journeys:.0%}) take no split: they "
+        f"end within journey.max_gap ({report.get('max_gap', '?')}) of the data's end, and the "
+        f"log spans {span}; lower journey.max_gap (a session log: 30m to 1d), or set "
+        "data.observed_until if the outcomes are known to a later moment"
+    )
 
 
 PartitionBuilder = Callable[[Path | None], PartitionResult]
@@ -629,3 +774,5 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_row(f"  split {split}", f"{count:,}")
     table.add_row("data range", f"{report['data_start']} .. {report['data_end']}")
     Console().print(table)
+    for warning in report.get("warnings", []):
+        print(f"journeys ingest: warning: {warning}", file=sys.stderr)

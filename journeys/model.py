@@ -11,7 +11,11 @@ Everything the model does is in this file, in the spirit of nanoGPT's `model.py`
 - a positional encoding (fixed sinusoid, learned table, or none) is added;
 - `n_layers` transformer blocks (self-attention + GELU feed-forward, pre- or post-norm);
 - the journey is pooled (a prepended CLS token, the mean of real events, or the last real
-  event) and a linear head gives one logit.
+  event) and a linear head gives one logit;
+- with `wide=True`, a wide part (Wide & Deep, Cheng et al. 2016) adds a logit of its own
+  from journey-level aggregates: the mean and the maximum of the events' summed embeddings
+  and the journey's length. Gradient boosting on such aggregates (counts, gaps, duration)
+  wins on many real ad logs, and attention reaches them only one event at a time.
 
 With `causal=True` every position sees only itself and earlier events, the head runs at
 every position, and one pass gives the logit after each event (in-flight scoring); the
@@ -74,6 +78,8 @@ class ModelConfig:
     visit_bucket: int | None = 11
     # Continuous inputs per event, projected and added (6: the time encodings); 0: none.
     n_continuous: int = 6
+    # A wide part beside the sequence (`WidePart`): journey aggregates -> a logit of its own.
+    wide: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -210,6 +216,44 @@ class Block(nn.Module):
         return self.ln_2(x + self.ffn(x)), weights
 
 
+class WidePart(nn.Module):
+    """Journey-level aggregates -> a logit added to the sequence's (Wide & Deep).
+
+    It reads the events' summed embeddings, the blocks' own input before positions: their
+    mean (a bag of event types, features and time encodings, as shares), their maximum
+    (the longest gap, the latest hour, any rare event present) and the log of the length,
+    through a small MLP. Reading the same sum as the blocks keeps integrated gradients
+    exact: the gradient with respect to any one embedding table's output is still the
+    gradient with respect to the sum. Causal models get the aggregates of every prefix.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d_model = config.d_model
+        self.log_max_len = math.log1p(config.max_len)
+        self.fc = nn.Linear(2 * d_model + 1, d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.out = nn.Linear(d_model, 1)
+
+    def forward(self, events: Tensor, mask: Tensor, causal: bool) -> Tensor:
+        """events [B, L, D], mask [B, L] -> logits [B, L] (causal: per prefix) or [B]."""
+        real = mask[..., None]
+        if causal:
+            count = real.cumsum(dim=1)
+            total = (events * real).cumsum(dim=1)
+            largest = events.masked_fill(~real, -math.inf).cummax(dim=1).values
+        else:
+            count = real.sum(dim=1)
+            total = (events * real).sum(dim=1)
+            largest = events.masked_fill(~real, -math.inf).amax(dim=1)
+        seen = count > 0  # an empty journey (or padding before any event) aggregates to 0
+        mean = total / count.clamp(min=1)
+        largest = torch.where(seen, largest, torch.zeros_like(largest))
+        length = torch.log1p(count.to(events.dtype)) / self.log_max_len
+        hidden = F.gelu(self.fc(torch.cat([mean, largest, length], dim=-1)))
+        return self.out(self.dropout(hidden)).squeeze(-1)
+
+
 class JourneyTransformer(nn.Module):
     """Journey -> conversion logit (and, if causal, a logit after every event)."""
 
@@ -244,6 +288,7 @@ class JourneyTransformer(nn.Module):
         # Pre-norm leaves the residual stream un-normalised; post-norm blocks end normalised.
         self.ln_f = nn.LayerNorm(d_model) if config.norm == "pre" else nn.Identity()
         self.head = nn.Linear(d_model, 1)
+        self.wide = WidePart(config) if config.wide else None
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -260,6 +305,9 @@ class JourneyTransformer(nn.Module):
                 # Unit scale, as nn.Embedding's default: content embeddings then match the
                 # sinusoid's amplitude (Vaswani et al. instead scale d^-1/2 tables by sqrt(d)).
                 nn.init.normal_(param, std=1.0)
+            elif name == "wide.out.weight":
+                # The wide logit starts at zero: training begins from the sequence alone.
+                nn.init.zeros_(param)
             elif name.endswith("proj.weight"):
                 # GPT-2: residual branches scaled down so the stream's variance does not
                 # grow with depth.
@@ -309,7 +357,8 @@ class JourneyTransformer(nn.Module):
             )
         mask = mask.bool()
         lengths = mask.sum(dim=1)
-        x, seq_mask = self._embed(tokens, features, time_buckets, mask, lengths, continuous)
+        events = self.event_embeddings(tokens, features, time_buckets, mask, continuous)
+        x, seq_mask = self._sequence(events, mask, lengths)
         attn_mask = self._attention_mask(seq_mask)
 
         rows, row_weights = self._pooled_queries(seq_mask, lengths)
@@ -329,6 +378,12 @@ class JourneyTransformer(nn.Module):
             logits = prefix_logits.gather(1, last_index[:, None]).squeeze(1)
         else:
             logits = self.head(self._pool(h, mask, last_index)).squeeze(-1)
+        if self.wide is not None:
+            wide = self.wide(events, mask, self.config.causal)
+            if prefix_logits is not None:
+                prefix_logits = prefix_logits + wide
+                wide = wide.gather(1, last_index[:, None]).squeeze(1)
+            logits = logits + wide
 
         exported = None
         if attention == "pooled":
@@ -373,17 +428,9 @@ class JourneyTransformer(nn.Module):
         extra = [self.continuous_projection] if self.continuous_projection is not None else []
         return [*self.input_embeddings(), *extra]
 
-    def _embed(
-        self,
-        tokens: Tensor,
-        features: Tensor,
-        time_buckets: Tensor,
-        mask: Tensor,
-        lengths: Tensor,
-        continuous: Tensor | None,
-    ) -> tuple[Tensor, Tensor]:
-        """Summed embeddings plus positions [B, L(+1), D], and the mask of that sequence."""
-        x = self.event_embeddings(tokens, features, time_buckets, mask, continuous)
+    def _sequence(self, x: Tensor, mask: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """Summed embeddings [B, L, D] -> plus CLS and positions [B, L(+1), D], and the mask
+        of that sequence."""
         if self.cls is not None:
             batch = x.size(0)
             x = torch.cat([self.cls.expand(batch, 1, -1), x], dim=1)

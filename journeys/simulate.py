@@ -415,14 +415,14 @@ def _simulate_clean(
     first_visit[visit_id[j_offset]] = True
     v_channel = np.where(
         first_visit,
-        _categorical(rng, b.first_touch_mix, n_visits),
-        _categorical(rng, b.return_mix, n_visits),
+        categorical(rng, b.first_touch_mix, n_visits),
+        categorical(rng, b.return_mix, n_visits),
     )
-    u_device = _categorical(rng, b.device_mix, n_users)
+    u_device = categorical(rng, b.device_mix, n_users)
     v_user = j_user[e_journey[visit_start]]
     v_device = np.where(
         rng.random(n_visits) < b.device_switch_prob,
-        _categorical(rng, b.device_mix, n_visits),
+        categorical(rng, b.device_mix, n_visits),
         u_device[v_user],
     )
     campaign_base = np.cumsum([0, *(len(c) for c in CAMPAIGNS)])[:-1]
@@ -455,13 +455,13 @@ def _simulate_clean(
         j_length,
     )
     score = sum(coefficients[name] * value for name, value in effects.items())
-    intercept = _calibrate_intercept(score, conversion_rate)
+    intercept = calibrate_intercept(score, conversion_rate)
     j_prob = 1.0 / (1.0 + np.exp(-(score + intercept)))
     j_converted = rng.random(n_j) < j_prob
 
     return _Clean(
         n_users=n_users,
-        user_ids=_user_ids(n_users),
+        user_ids=user_ids(n_users),
         j_user=j_user,
         j_offset=j_offset,
         j_length=j_length,
@@ -646,7 +646,7 @@ def _true_effects(
     return effects, coefficients, causal
 
 
-def _calibrate_intercept(score: np.ndarray, rate: float) -> float:
+def calibrate_intercept(score: np.ndarray, rate: float) -> float:
     """The intercept b with mean(sigmoid(score + b)) == rate (bisection; the mean is monotone)."""
     lo, hi = -40.0, 40.0
     for _ in range(60):
@@ -795,9 +795,9 @@ def _truth_journeys(c: _Clean) -> pl.DataFrame:
         {
             "journey_id": _journey_ids(c),
             "user_id": c.user_ids.gather(c.j_user),
-            "start_time": _utc(c.j_start_ms),
-            "end_time": _utc(end_ms),
-            "last_event_time": _utc(c.j_last_ms),
+            "start_time": utc_from_ms(c.j_start_ms),
+            "end_time": utc_from_ms(end_ms),
+            "last_event_time": utc_from_ms(c.j_last_ms),
             "true_probability": c.j_prob.astype(np.float64),
             "converted": c.j_converted,
             "n_events": c.j_length.astype(np.int64),
@@ -810,7 +810,7 @@ def _truth_events(c: _Clean) -> pl.DataFrame:
     return pl.DataFrame(
         {
             "user_id": c.user_ids.gather(c.j_user[c.e_journey]),
-            "timestamp": _utc(c.e_time_ms),
+            "timestamp": utc_from_ms(c.e_time_ms),
             "event_type": pl.Series(EVENT_TYPES).gather(c.e_type),
             "channel": pl.Series(CHANNELS).gather(c.e_channel),
             "journey_id": _journey_ids(c).gather(c.e_journey),
@@ -831,14 +831,16 @@ def _epoch_ms(moment: datetime) -> int:
     return (moment - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(milliseconds=1)
 
 
-def _utc(ms: np.ndarray) -> pl.Series:
+def utc_from_ms(ms: np.ndarray) -> pl.Series:
+    """Epoch milliseconds -> UTC datetimes (microsecond precision, as the ingester's)."""
     return pl.Series(ms * 1000).cast(pl.Datetime("us", "UTC"))
 
 
-def _user_ids(n_users: int) -> pl.Series:
+def user_ids(n_users: int, prefix: str = "u") -> pl.Series:
+    """`u000000`, ...: zero-padded, so ids sort as numbers do."""
     width = max(6, len(str(n_users - 1)))
     digits = pl.Series("user_id", np.arange(n_users)).cast(pl.String).str.zfill(width)
-    return pl.select(pl.lit("u") + digits).to_series().alias("user_id")
+    return pl.select(pl.lit(prefix) + digits).to_series().alias("user_id")
 
 
 def _event_gaps(rng: np.random.Generator, b: Behaviour, n: int) -> np.ndarray:
@@ -873,7 +875,7 @@ def _lognormal_ms(
     return np.clip(np.rint(draws), low, high).astype(np.int64)
 
 
-def _categorical(rng: np.random.Generator, probs: tuple[float, ...], n: int) -> np.ndarray:
+def categorical(rng: np.random.Generator, probs: tuple[float, ...], n: int) -> np.ndarray:
     """`n` draws of indices with probabilities `probs` (normalised)."""
     cumulative = np.cumsum(probs) / np.sum(probs)
     return np.minimum(np.searchsorted(cumulative, rng.random(n), side="right"), len(probs) - 1)

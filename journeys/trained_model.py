@@ -76,6 +76,9 @@ FORMAT_1_ARCHITECTURE = {
     "attention_dropout": 0.0,
 }
 
+# Architecture keys added after format 2 began, with what models saved without them were.
+ADDED_SINCE_FORMAT_2 = {"wide": False}
+
 _MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/]+))/?")
 
 
@@ -83,7 +86,8 @@ _MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<ali
 RULES = {
     "data": (
         "features", "numeric_features", "columns", "header", "separator", "timezone",
-        "timestamp_unit", "event_map", "conversion_events", "drop_events",
+        "timestamp_unit", "timestamp_format", "event_map", "conversion_events",
+        "conversion_flag", "drop_events", "exclude_users",
     ),
     "journey": ("max_gap", "max_events", "after_conversion"),
 }  # fmt: skip
@@ -108,6 +112,10 @@ class JourneyRules:
     max_gap: str
     max_events: int
     after_conversion: str
+    # Added after format 2 began: models saved before them had these values.
+    timestamp_format: str | None = None
+    conversion_flag: dict[str, Any] | None = None
+    exclude_users: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: Config) -> JourneyRules:
@@ -116,6 +124,8 @@ class JourneyRules:
             for section, keys in RULES.items()
             for key in keys
         }
+        flag = config.data.conversion_flag
+        settings["conversion_flag"] = None if flag is None else flag.model_dump()
         return cls.from_dict(settings)
 
     @classmethod
@@ -268,6 +278,7 @@ class TrainedModel:
             architecture = json.loads((folder / MODEL_CONFIG).read_text())
             if version < 2:  # keys added to ModelConfig since: what older models were
                 architecture = {**FORMAT_1_ARCHITECTURE, **architecture}
+            architecture = {**ADDED_SINCE_FORMAT_2, **architecture}
             model = JourneyTransformer(ModelConfig.from_dict(architecture))
             load_weights(model, str(folder / WEIGHTS), strict=True, device="cpu")
             temperature = float(json.loads((folder / CALIBRATION).read_text())["temperature"])

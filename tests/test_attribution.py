@@ -141,14 +141,16 @@ def test_attention_tables_by_event_type_channel_and_position() -> None:
     assert last["mean_attention"] == pytest.approx(0.7)
 
 
-@pytest.mark.parametrize("n_continuous", [0, 6])
-def test_integrated_gradients_are_complete(n_continuous: int) -> None:
+@pytest.mark.parametrize(("n_continuous", "wide"), [(0, False), (6, False), (6, True)])
+def test_integrated_gradients_are_complete(n_continuous: int, wide: bool) -> None:
     """IG sums to logit(input) - logit(baseline), the baseline being padding embeddings
-    (and no continuous input: time encodings are attributed to their event too)."""
+    (and no continuous input: time encodings are attributed to their event too); the wide
+    part reads the same summed embeddings, so it is attributed to the events as well."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=9, feature_vocab_sizes=(5,), n_time_buckets=6, d_model=16)
     config = ModelConfig(
-        **{**config.to_dict(), "n_heads": 2, "max_len": 8, "n_continuous": n_continuous}
+        **config.to_dict()
+        | {"n_heads": 2, "max_len": 8, "n_continuous": n_continuous, "wide": wide}
     )
     model = JourneyTransformer(config).eval()
     with torch.no_grad():

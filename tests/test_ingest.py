@@ -104,6 +104,7 @@ def test_dirty_rows_are_quarantined_by_reason_and_accounted(tmp_path: Path) -> N
         "implausible_timestamp": 0,
         "out_of_range": 0,
         "bad_numeric": 0,
+        "bad_sequence": 0,
     }
     assert report["duplicates_dropped"] == 5
     assert report["dropped_by_config"] == clean.filter(pl.col("event_type") == "checkout").height

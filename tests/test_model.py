@@ -78,6 +78,8 @@ VARIANTS = [
     dict(pooling="mean", position_origin="end", positional="learned"),
     dict(pooling="cls", position_origin="end", visit_bucket=4),
     dict(causal=True, visit_bucket=4),
+    dict(pooling="last", wide=True),
+    dict(causal=True, wide=True),
 ]
 NORMS = ["pre", "post"]
 LENGTHS = [5, 1, 9, 3]
@@ -166,9 +168,9 @@ def test_without_positions_mean_pooling_is_order_blind() -> None:
     torch.testing.assert_close(model(**reversed_inputs).logits, model(**inputs).logits)
 
 
-@pytest.mark.parametrize("norm", NORMS)
-def test_causal_prefix_logits_ignore_later_events(norm: str) -> None:
-    model = tiny(causal=True, norm=norm)
+@pytest.mark.parametrize(("norm", "wide"), [("pre", False), ("post", False), ("pre", True)])
+def test_causal_prefix_logits_ignore_later_events(norm: str, wide: bool) -> None:
+    model = tiny(causal=True, norm=norm, wide=wide)
     inputs = batch([9, 9, 6], seed=2)
     out = model(**inputs)
     assert out.prefix_logits.shape == inputs["mask"].shape
