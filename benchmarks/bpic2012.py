@@ -249,7 +249,7 @@ def read_log(raw: str | Path, config: Config) -> pl.DataFrame:
     from journeys.events import REASON, ROW, TS, scan_events
 
     # Only the required columns: the derived feature columns are not in the raw file.
-    rows, _ = scan_events(raw, config.data.model_copy(update={"features": []}))
+    rows = scan_events(raw, config.data.model_copy(update={"features": []})).rows
     return (
         rows.filter(pl.col(REASON).is_null())
         .select(

@@ -122,6 +122,21 @@ def report_dimensions(features: list[str], by: list[str] | None) -> list[str]:
     return dimensions
 
 
+def constant_within_journeys(scores: pl.LazyFrame, features: list[str]) -> list[str]:
+    """Features with one value throughout every journey (a device per user, a numeric
+    price list aside): credit by them would only restate which journeys converted, so the
+    default breakdown skips them (`attribution.by` can still name them)."""
+    if not features:
+        return []
+    varies = scores.select(
+        (pl.col(name).list.eval(pl.element().cast(pl.String).fill_null("")).list.n_unique() > 1)
+        .any()
+        .alias(name)
+        for name in features
+    ).collect()
+    return [name for name in features if not varies.get_column(name).fill_null(False).item()]
+
+
 def _filled(column: str) -> pl.Expr:
     return pl.col(column).list.eval(pl.element().cast(pl.String).fill_null(MISSING_VALUE))
 
@@ -441,7 +456,9 @@ def build_report(
 
     settings = settings or Attribution()
     schema = scores.collect_schema()
-    dimensions = report_dimensions(score_features(schema), settings.by)
+    features = score_features(schema)
+    constant = [] if settings.by else constant_within_journeys(scores, features)
+    dimensions = report_dimensions([f for f in features if f not in constant], settings.by)
     # All columns stay available (IG re-encodes the journeys); projection pushdown reads
     # only what each query uses.
     journeys = scores.with_columns(outcome_expr(schema))
@@ -455,6 +472,8 @@ def build_report(
     tables["attention_by_position"] = attention_by_position(scores, settings.position_cap)
 
     summary: dict[str, Any] = {}
+    if constant:
+        summary["constant_features_skipped"] = constant
     explained = None
     if trained is not None and settings.ig_sample > 0:
         from journeys.inference import IG_STEPS
@@ -533,6 +552,24 @@ def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
     return pl.DataFrame()
 
 
+# In summary.json: the scores' metadata and the settings the report was made from.
+MADE_FROM = "made_from"
+SUMMARY_FILE = "summary.json"
+
+
+def read_report(folder: str | Path) -> AttributionReport | None:
+    """A written report's tables and summary (no figures), or None when there is none."""
+    folder = Path(folder)
+    summary = folder / SUMMARY_FILE
+    if not summary.exists():
+        return None
+    try:
+        tables = {path.stem: pl.read_parquet(path) for path in sorted(folder.glob("*.parquet"))}
+        return AttributionReport(tables, json.loads(summary.read_text()))
+    except (pl.exceptions.PolarsError, OSError, json.JSONDecodeError):
+        return None  # damaged or foreign: rebuilt
+
+
 def write_report(report: AttributionReport, out: str | Path) -> Path:
     """Tables as Parquet + CSV, figures as PNG, `summary.json`: swapped in atomically."""
     out = Path(out)
@@ -542,7 +579,7 @@ def write_report(report: AttributionReport, out: str | Path) -> Path:
             table.write_csv(staging / f"{name}.csv")
         for name, figure in report.figures.items():
             figure.savefig(staging / name, dpi=120, bbox_inches="tight")
-        (staging / "summary.json").write_text(json.dumps(report.summary, indent=2, default=str))
+        (staging / SUMMARY_FILE).write_text(json.dumps(report.summary, indent=2, default=str))
     return out
 
 
@@ -582,8 +619,16 @@ def attribute_command(
     metadata = read_metadata(scores)
     store = tracking_uri(config)
     settings = config.attribution
+    made_from = {"scores": metadata, "settings": settings.model_dump(mode="json")}
+    existing = read_report(out)
+    if existing is not None and metadata and existing.summary.get(MADE_FROM) == made_from:
+        # `journeys score` built it a moment ago from these very scores and settings.
+        print(f"attribution report in {out} is up to date with these scores: not rebuilt")
+        return existing
     trained = _load_scoring_model(metadata, store) if settings.ig_sample else None
-    report = attribute(frame, out, trained=trained, settings=settings)
+    report = build_report(frame, trained=trained, settings=settings)
+    report.summary[MADE_FROM] = made_from
+    write_report(report, out)
     print_credit(report)
     if "note" in report.summary:
         print(report.summary["note"])

@@ -72,10 +72,10 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from journeys.datasets import check_trainable
+    from journeys.datasets import check_trainable, dataset_features
     from journeys.tracking import check_tracking_uri, tracking_uri
 
-    config = _config(args)
+    config = dataset_features(_config(args))
     # Fail fast, before torch and Lightning are even imported, and before any store or
     # run is created: a dataset that cannot be trained or evaluated registers nothing.
     sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)

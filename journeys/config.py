@@ -92,6 +92,8 @@ class Paths(Section):
 REQUIRED_COLUMNS = ("user_id", "timestamp", "event_type")
 
 
+# The features `data.features` stands for when a configuration does not set it.
+DEFAULT_FEATURES = ("channel", "device")
 # Optional logical columns besides the required ones and the features.
 SEQUENCE_COLUMN = "sequence"  # the order of events that share a timestamp
 
@@ -122,7 +124,8 @@ class Data(Section):
     # or with `header: false` a 1-based position. Unmapped logical names are used as-is.
     # `sequence` (optional) orders events that share a timestamp (a step or hit number).
     columns: dict[str, str | int | list[str]] = Field(default_factory=dict)
-    features: list[str] = Field(default_factory=lambda: ["channel", "device"])
+    # Unset: those of DEFAULT_FEATURES the log has (a log without them is not an error).
+    features: list[str] = Field(default_factory=lambda: list(DEFAULT_FEATURES))
     # Per-event numbers (a price, a cost, an amount, dwell time), mapped like features. An
     # empty value is missing (allowed, and flagged to the model); text that is not a
     # finite number quarantines its row (bad_numeric).
@@ -161,6 +164,12 @@ class Data(Section):
     def event_columns(self) -> list[str]:
         """Every per-event column read besides the required ones: features, then numbers."""
         return [*self.features, *self.numeric_features]
+
+    @property
+    def features_given(self) -> bool:
+        """Whether the configuration sets `features` (else they are the defaults, and ingest
+        keeps those the log has)."""
+        return "features" in self.model_fields_set
 
     @property
     def sequence(self) -> bool:
@@ -655,3 +664,10 @@ def load_config(paths: ConfigFiles = None, overrides: list[str] | None = None) -
         return Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(f"invalid configuration: {_describe(err)}") from None
+
+
+def with_features(config: Config, features: list[str]) -> Config:
+    """`config` with `data.features` set to `features` (then counted as given)."""
+    data = config.data.model_copy(update={"features": list(features)})
+    data.model_fields_set.add("features")
+    return config.model_copy(update={"data": data})

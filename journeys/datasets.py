@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from journeys.errors import InputError, first_line
 from journeys.vocab import VOCAB_FILE, Vocabularies
+
+if TYPE_CHECKING:
+    from journeys.config import Config
 
 PART_FILE = "part-{:05d}.parquet"
 SPLITS = ("train", "val", "test")
@@ -174,6 +177,18 @@ def check_trainable(
                 f"conversions of {size['n']:,} journeys): {fix}"
             )
     return sizes
+
+
+def dataset_features(config: Config) -> Config:
+    """`config` with the features its journeys were ingested with, when it does not set
+    `data.features` (the defaults: ingest kept those the log has). Unchanged otherwise, or
+    when there are no journeys yet."""
+    from journeys.config import with_features
+
+    folder = Path(config.paths.journeys)
+    if config.data.features_given or not (folder / VOCAB_FILE).exists():
+        return config
+    return with_features(config, Vocabularies.load(folder).features)
 
 
 def unsplit_problem(folder: str | Path) -> str | None:

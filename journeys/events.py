@@ -420,21 +420,36 @@ def parse_number(text: pl.Expr) -> pl.Expr:
     return text.str.strip_chars().cast(pl.Float64, strict=False)
 
 
-def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
+@dataclass(frozen=True)
+class ScannedEvents:
+    """`scan_events`' result: the rows (lazily), the source files, and the features the
+    log has (`data.features`, less the default ones no file holds)."""
+
+    rows: pl.LazyFrame
+    sources: list[str]
+    features: list[str]
+
+
+def scan_events(raw: str | Path, data: Data) -> ScannedEvents:
     """All rows of all sources, lazily: logical columns as text, `ts`, source, row, `reason`.
 
-    `reason` is null for a valid row, else the quarantine reason code.
+    `reason` is null for a valid row, else the quarantine reason code. A default feature
+    (`data.features` not set) that no file holds is left out, not an error.
     """
     sources = resolve_sources(raw)
     names = read_columns(data)
     read = [_read_file(path, data, names) for path in sources]
     nowhere = set.intersection(*(set(absent) for _, absent, _ in read)) if read else set()
+    unused = [] if data.features_given else [f for f in data.features if f in nowhere]
+    nowhere -= set(unused)
     if nowhere:
         missing = [name for name in names if name in nowhere]
         schema = pl.Schema(dict.fromkeys(read[0][2], pl.String()))
         fmt = _format_of(sources[0]) or data.format
         raise InputError(missing_columns_message(sources[0], data, names, missing, schema, fmt))
-    rows = pl.concat([frame for frame, _, _ in read], how="vertical")
+    rows = pl.concat([frame for frame, _, _ in read], how="vertical").drop(unused)
+    if unused:
+        data = data.model_copy(update={"features": [f for f in data.features if f not in unused]})
     user = pl.col("user_id").str.strip_chars()
     event = pl.col("event_type").str.strip_chars()
     valid_from = as_utc(data.valid_from, data.timezone)
@@ -480,7 +495,9 @@ def scan_events(raw: str | Path, data: Data) -> tuple[pl.LazyFrame, list[str]]:
         .when(bad_sequence)
         .then(pl.lit("bad_sequence"))
     )
-    return rows.with_columns(reason.alias(REASON)), [str(p) for p in sources]
+    return ScannedEvents(
+        rows.with_columns(reason.alias(REASON)), [str(p) for p in sources], data.features
+    )
 
 
 def converted_expr(data: Data) -> pl.Expr:

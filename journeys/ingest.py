@@ -27,7 +27,7 @@ from typing import Any
 
 import polars as pl
 
-from journeys.config import SEQUENCE_COLUMN, Config, Data
+from journeys.config import SEQUENCE_COLUMN, Config, Data, with_features
 from journeys.datasets import NO_SPLIT, PART_FILE, REPORT_FILE, SPLITS, UTC_US, read_journeys
 from journeys.errors import InputError, first_line
 from journeys.events import (
@@ -146,6 +146,7 @@ class Staged:
     quarantined: dict[str, int] = field(default_factory=dict)  # reason -> rows
     # source file -> {"rows": read, "quarantined": of them}
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    features: list[str] = field(default_factory=list)  # data.features the log has
 
 
 # The passes' own files, read back once or twice and deleted: written for speed (lz4), not
@@ -157,7 +158,8 @@ OUTPUT_COMPRESSION, OUTPUT_COMPRESSION_LEVEL = "zstd", 1
 
 def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged:
     """Pass 1: read every row once (streaming) into user-hash partitions or quarantine."""
-    rows, sources = scan_events(raw or config.paths.raw, config.data)
+    scanned = scan_events(raw or config.paths.raw, config.data)
+    rows, sources = scanned.rows, scanned.sources
     n = config.ingest.partitions
     key = pl.when(pl.col(REASON).is_null()).then(user_bucket(n)).otherwise(QUARANTINE_BUCKET)
     try:
@@ -188,7 +190,10 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
     if quarantine:
         counts = pl.scan_parquet(quarantine).group_by(REASON).len().collect()
         quarantined |= dict(counts.iter_rows())  # type: ignore[arg-type]
-    return Staged(folder, partitions, quarantine, rows_read, sources, quarantined, by_source)
+    return Staged(
+        folder, partitions, quarantine, rows_read, sources, quarantined, by_source,
+        scanned.features,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -738,6 +743,14 @@ def run_ingest(
     quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
     with scratch_dir(journeys_folder.parent, "ingest") as scratch:
         staged = stage(config, scratch / "staged", raw)
+        if staged.features != config.data.features:
+            left_out = [f for f in config.data.features if f not in staged.features]
+            print(
+                f"journeys ingest: note: the default features {left_out} are not in the log: "
+                "ingested without them (data.features names the ones to use)",
+                file=sys.stderr,
+            )
+            config = with_features(config, staged.features)
         check_quarantine(config, staged, quarantine_folder)
         built = scratch / "built"
         built.mkdir()

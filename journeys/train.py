@@ -49,12 +49,13 @@ from journeys.config import redact_uri
 from journeys.datasets import (
     SPLITS,
     check_trainable,
+    dataset_features,
     evaluation_warnings,
     labelled,
     scan_journeys,
     small_evaluation_warning,
 )
-from journeys.encoding import fraction_of_negatives, model_config_from
+from journeys.encoding import EncodedJourneys, fraction_of_negatives, model_config_from
 from journeys.errors import JourneysError, first_line
 from journeys.in_flight import QuietSurvival
 from journeys.inference import attention_by_token, run_model
@@ -98,8 +99,10 @@ class TrainResult:
     promoted: bool
     checkpoint: str
     baselines: dict[str, BaselineRun] = field(default_factory=dict)
-    # journey_id, label, probability (uncalibrated) on the test split, from the in-memory model
+    # journey_id, label, probability (uncalibrated) on the test and val splits, from the
+    # in-memory model
     test_predictions: pl.DataFrame | None = None
+    val_predictions: pl.DataFrame | None = None
 
 
 def train_command(
@@ -109,6 +112,7 @@ def train_command(
 
     `sizes` are `check_trainable`'s split sizes when the caller checked already.
     """
+    config = dataset_features(config)
     if sizes is None:
         sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
     for warning in evaluation_warnings(sizes):
@@ -177,7 +181,7 @@ def train_command(
         print_comparison(rows, sizes["test"])
         flag_baselines_ahead(run, scores, baselines)
 
-    test = fitted.datamodule.splits["test"]
+    test, val_split = fitted.datamodule.splits["test"], fitted.datamodule.splits["val"]
     return TrainResult(
         run_id=run.run_id,
         experiment_id=run.experiment_id,
@@ -188,13 +192,19 @@ def train_command(
         promoted=registration.promoted,
         checkpoint=best,
         baselines=baselines,
-        test_predictions=pl.DataFrame(
-            {
-                "journey_id": test.journey_ids,
-                "label": test.labels.numpy().astype(np.int8),
-                "probability": M.sigmoid(evaluation.test_logits),
-            }
-        ),
+        test_predictions=predictions(test, evaluation.test_logits),
+        val_predictions=predictions(val_split, evaluation.val_logits),
+    )
+
+
+def predictions(split: EncodedJourneys, logits: np.ndarray) -> pl.DataFrame:
+    """journey_id, label and uncalibrated probability of a split's journeys."""
+    return pl.DataFrame(
+        {
+            "journey_id": split.journey_ids,
+            "label": split.labels.numpy().astype(np.int8),
+            "probability": M.sigmoid(logits),
+        }
     )
 
 
@@ -473,6 +483,7 @@ class BaselineRun:
     run_id: str | None
     metrics: dict[str, float]
     val_scores: pl.DataFrame  # journey_id, probability: what promotion compares
+    test_scores: pl.DataFrame  # journey_id, probability: reported beside the transformer's
 
 
 def run_baselines_beside(
@@ -499,9 +510,13 @@ def run_baselines_beside(
             )
     run.set_tags(group)
     ids = val.get_column("journey_id")
+    test_ids = frame.filter(pl.col("split") == "test").get_column("journey_id")
     return {
         r.name: BaselineRun(
-            r.run_id, r.metrics, pl.DataFrame({"journey_id": ids, "probability": r.val_probs})
+            r.run_id,
+            r.metrics,
+            pl.DataFrame({"journey_id": ids, "probability": r.val_probs}),
+            pl.DataFrame({"journey_id": test_ids, "probability": r.probs}),
         )
         for r in results
     }

@@ -93,6 +93,25 @@ def test_markov_removal_effects_match_the_hand_calculation() -> None:
     assert markov["B"] == pytest.approx(5 / 8, abs=1e-9)
 
 
+def test_a_feature_constant_within_every_journey_is_skipped_unless_named() -> None:
+    """A device per journey moves no credit between touchpoints: not in the default
+    breakdown (the summary says so), still there when `attribution.by` names it."""
+    from journeys.config import Attribution
+
+    devices = [["mobile"] * len(path) for path, _ in PATHS]
+    devices[1] = [None]  # a missing value is constant too
+    scores = scores_frame().with_columns(device=pl.Series(devices))
+    report = build_report(scores)
+    assert report.credit["dimension"].unique().to_list() == ["channel"]
+    assert report.summary["constant_features_skipped"] == ["device"]
+    named = build_report(scores, settings=Attribution(by=["channel", "device"])).credit
+    assert sorted(named["dimension"].unique().to_list()) == ["channel", "device"]
+    # One journey whose device changes is enough to keep it.
+    devices[4] = ["mobile", "desktop", "mobile", "mobile"]
+    varied = build_report(scores_frame().with_columns(device=pl.Series(devices)))
+    assert sorted(varied.credit["dimension"].unique().to_list()) == ["channel", "device"]
+
+
 def test_first_last_and_linear_on_a_tiny_example() -> None:
     """Converted journeys J1 (A B), J3 (B), J5 (A B A B):
     first touch A, B, A -> A 2/3, B 1/3;  last touch B, B, B -> B 1;
@@ -205,6 +224,12 @@ def test_attribute_command_writes_tables_plots_and_one_line_errors(
             assert part[method].sum() == pytest.approx(1.0), (dimension, method)
     printed = capsys.readouterr().out
     assert "credit by channel" in printed and "credit by device" in printed
+    # Again on the same scores with the same settings (`journeys score` then `journeys
+    # attribute`, as documented): the report is not built twice.
+    stamp = (report / "credit.parquet").stat().st_mtime_ns
+    assert main(["attribute", *settings(tmp_path)]) == 0
+    assert "is up to date with these scores: not rebuilt" in capsys.readouterr().out
+    assert (report / "credit.parquet").stat().st_mtime_ns == stamp
 
     # attribution.by chooses the breakdown; an unknown dimension is one line, exit 2.
     only = tmp_path / "by-device"

@@ -359,3 +359,45 @@ def test_conversions_that_label_no_journey_are_warned_about(tmp_path: Path) -> N
     ).write_csv(tmp_path / "log.csv")
     warnings = ingest(session_config(tmp_path / "log.csv", tmp_path, "sequence"))["warnings"]
     assert any("conversions (100%) label no journey" in w for w in warnings)
+
+
+# --- 7. messages and defaults --------------------------------------------------------------------
+
+
+def test_the_default_features_do_not_trip_a_log_without_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`data.features` unset: the defaults the log has (none here), said in a note; train
+    reads them from the journeys. Named explicitly, a missing one is still an error."""
+    from journeys.datasets import dataset_features
+    from journeys.vocab import Vocabularies
+
+    assert cli_ingest(SHAPES / "iso_minutes.csv", tmp_path) == 0
+    err = capsys.readouterr().err
+    assert "the default features ['channel', 'device'] are not in the log" in err
+    assert Vocabularies.load(tmp_path / "journeys").features == []
+    config = load_config(None, [f"paths.journeys={tmp_path / 'journeys'}"])
+    assert config.data.features == ["channel", "device"] and not config.data.features_given
+    assert dataset_features(config).data.features == []
+
+    named = cli_ingest(SHAPES / "iso_minutes.csv", tmp_path / "b", "data.features=[channel]")
+    assert named == 2
+    assert "missing column(s) channel (channel)" in capsys.readouterr().err
+
+
+def test_a_yaml_number_where_text_is_expected_says_to_quote_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["ingest", "--set", "data.conversion_events=[2024]"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "2024 is read as a number, not text: quote it ('2024')" in err
+
+
+def test_an_unknown_file_extension_names_data_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "events.log").write_text("user_id,timestamp,event_type\n")
+    assert cli_ingest(tmp_path / "events.log", tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "unsupported file type '.log'" in err and "data.format" in err
