@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -30,6 +30,7 @@ from journeys.datasets import MISSING_VALUE
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_matrix
+    from sklearn.ensemble import HistGradientBoostingClassifier
 
     from journeys.config import Config
 
@@ -228,6 +229,30 @@ class JourneyAggregates:
             self.levels[column] = {level: code for code, level in enumerate(levels)}
         return self
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fitted state as JSON values (`from_dict` reads it back)."""
+        assert self.bag.columns is not None, "fit first"
+        return {
+            "features": self.features,
+            "numeric": self.numeric,
+            "timezone": self.timezone,
+            "visit_gap_s": self.visit_gap_s,
+            "tokens": self.bag.columns.sort("col").get_column("token").to_list(),
+            "levels": self.levels,
+        }
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> JourneyAggregates:
+        aggregates = cls(
+            state["features"], state["timezone"], state["visit_gap_s"], state["numeric"]
+        )
+        tokens = pl.Series("token", state["tokens"], dtype=pl.String)
+        aggregates.bag.columns = pl.DataFrame(
+            {"token": tokens, "col": pl.int_range(len(tokens), dtype=pl.UInt32, eager=True)}
+        )
+        aggregates.levels = {column: dict(levels) for column, levels in state["levels"].items()}
+        return aggregates
+
     @property
     def categorical(self) -> np.ndarray:
         """Which columns of `transform` are categorical (the last-touch ones, at the end)."""
@@ -320,17 +345,27 @@ def hgb_aggregates(
     numeric_features: list[str] | None = None,
     **_,
 ) -> np.ndarray:
+    aggregates = JourneyAggregates(features, timezone, visit_gap_s, numeric_features)
+    encoder, model = fit_aggregates_booster(train, aggregates, seed)
+    return model.predict_proba(encoder.transform(test))[:, 1]
+
+
+def fit_aggregates_booster(
+    train: pl.DataFrame, aggregates: JourneyAggregates, seed: int
+) -> tuple[JourneyAggregates, HistGradientBoostingClassifier]:
+    """`hgb_aggregates`' model: the aggregates fitted on `train`, and gradient boosting on
+    them (the stacked model keeps both, `journeys.stacking`)."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    encoder = JourneyAggregates(features, timezone, visit_gap_s, numeric_features).fit(train)
+    aggregates.fit(train)
     model = HistGradientBoostingClassifier(
         max_iter=HGB_MAX_ITER,
         early_stopping=True,
-        categorical_features=encoder.categorical,
+        categorical_features=aggregates.categorical,
         random_state=seed,
     )
-    model.fit(encoder.transform(train), _labels(train))
-    return model.predict_proba(encoder.transform(test))[:, 1]
+    model.fit(aggregates.transform(train), _labels(train))
+    return aggregates, model
 
 
 PREDICTORS: dict[str, Callable[..., np.ndarray]] = {

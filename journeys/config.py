@@ -455,6 +455,11 @@ class Train(Section):
         default_factory=lambda: ["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]
     )
     bigrams: bool = False
+    # Stack the transformer with gradient boosting on journey aggregates (`hgb_aggregates`'
+    # model), blended by a logistic regression fitted on val: the registered model serves
+    # the blend, attention stays the transformer's (`journeys.stacking`). Journey-level
+    # models only (a causal model's per-event probabilities are the transformer's alone).
+    stack: bool = False
     # What the loss is on: the journey's logit (its last event), or the logit after every
     # event of a causal model (`model.causal: true`), each prefix labelled with the journey's
     # outcome, so the model also learns to predict mid-journey. See `JourneyModule`.

@@ -123,11 +123,12 @@ def score_frame(
     outputs = run_model(trained.model, trained.encode(frame), batch_size, attention, device)
 
     temperature = float(trained.temperature)
+    probability = trained.probabilities(outputs.logits, frame)
     columns: list[pl.Series | pl.Expr] = [
         pl.col("journey_id").cast(pl.String),
         pl.col("user_id").cast(pl.String),
         pl.col("event_type").list.tail(max_len).list.len().cast(pl.Int32).alias("n_events"),
-        pl.Series("conversion_probability", sigmoid(outputs.logits, temperature)),
+        pl.Series("conversion_probability", probability),
     ]
     if outputs.prefix_logits is not None:
         probabilities = sigmoid(outputs.prefix_logits, temperature)

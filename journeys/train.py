@@ -75,6 +75,7 @@ from journeys.vocab import Vocabularies
 
 if TYPE_CHECKING:
     from journeys.config import Config, Train
+    from journeys.stacking import FittedStack
     from journeys.tracking import Registration, TrackedRun
 
 MODEL_FAMILY = "transformer"
@@ -161,11 +162,18 @@ def train_command(
                 quiet_survival=quiet_survival(journeys, config.journey.max_gap_delta),
             )
             metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
-            # 4. baselines, fitted on train, scored on the same val and test journeys
+            # 4. baselines, fitted on train, scored on the same val and test journeys; and
+            # the stack of the transformer with one of them, when asked for
             baselines = run_baselines_beside(run, config, journeys)
+            candidate = predictions(fitted.datamodule.splits["val"], evaluation.val_logits)
+            if config.train.stack and not config.model.causal:
+                stacked = stack_beside(config, journeys, fitted, evaluation)
+                trained.stack = stacked.stack
+                metrics |= stacked_metrics(stacked, fitted)
+                candidate = candidate.with_columns(probability=M.sigmoid(stacked.val_logits))
             # 5. choose on val (never on test), log and register
             val = journeys.filter(pl.col("split") == "val")
-            decision = choose(config, uri, val, fitted, evaluation, baselines)
+            decision = choose(config, uri, val, candidate, baselines)
             registration, model_uri = log_and_register(
                 run, config, trained, evaluation, metrics, best, decision
             )
@@ -177,6 +185,13 @@ def train_command(
         # 6. every model side by side on test: reported, never chosen on
         scores = evaluation.metrics
         rows = [(MODEL_FAMILY, scores), (f"{MODEL_FAMILY} (calibrated)", _calibrated(scores))]
+        if trained.stack is not None:
+            stacked = {
+                f"test_{key.removeprefix('stacked_test_')}": value
+                for key, value in metrics.items()
+                if key.startswith("stacked_test_")
+            }
+            rows.append(("stacked (served)", stacked))
         rows += [(f"baseline_{name}", result.metrics) for name, result in baselines.items()]
         print_comparison(rows, sizes["test"])
         flag_baselines_ahead(run, scores, baselines)
@@ -525,23 +540,63 @@ def run_baselines_beside(
 # ----------------------------------------------------------------------------- 5. choose, register
 
 
+def stack_beside(
+    config: Config, journeys: pl.DataFrame, fitted: Fitted, evaluation: Evaluation
+) -> FittedStack:
+    """`train.stack`: gradient boosting on aggregates fitted on train, blended with the
+    transformer on val (`journeys.stacking`)."""
+    from journeys.baselines import JourneyAggregates
+    from journeys.stacking import fit_stack
+
+    def in_order(split: str) -> pl.DataFrame:  # the data module's order, as the logits
+        ids = pl.DataFrame({"journey_id": fitted.datamodule.splits[split].journey_ids})
+        return ids.join(journeys, on="journey_id", how="left", maintain_order="left")
+
+    print("stack: gradient boosting on journey aggregates, blended with the transformer on val")
+    aggregates = JourneyAggregates(
+        config.data.features,
+        config.data.timezone,
+        config.model.visit_gap_s,
+        config.data.numeric_features,
+    )
+    return fit_stack(
+        journeys.filter(pl.col("split") == "train"),
+        in_order("val"),
+        in_order("test"),
+        evaluation.val_logits,
+        evaluation.test_logits,
+        aggregates,
+        config.train.seed,
+    )
+
+
+def stacked_metrics(stacked: FittedStack, fitted: Fitted) -> dict[str, float]:
+    """The stack's test metrics (`stacked_test_*`) and its cross-fitted val ROC AUC."""
+    val, test = fitted.datamodule.splits["val"], fitted.datamodule.splits["test"]
+    scores = M.binary_metrics(
+        test.labels.numpy(), M.sigmoid(stacked.test_logits), prefix="stacked_test_"
+    )
+    val_scores = M.binary_metrics(
+        val.labels.numpy(), M.sigmoid(stacked.val_logits), prefix="stacked_val_", intervals=False
+    )
+    return scores | {"stacked_val_roc_auc": val_scores["stacked_val_roc_auc"]}
+
+
 def choose(
     config: Config,
     uri: str,
     val: pl.DataFrame,
-    fitted: Fitted,
-    evaluation: Evaluation,
+    candidate: pl.DataFrame,
     baselines: dict[str, BaselineRun],
 ) -> Decision:
-    """Whether this run's transformer becomes the champion, decided on the `val` journeys
-    alone (`journeys.promotion`): against chance, the baselines and the champion."""
+    """Whether this run's model (`candidate`: journey_id and its val probability: the
+    transformer's, or the stack's cross-fitted) becomes the champion, decided on the `val`
+    journeys alone (`journeys.promotion`): against chance, the baselines and the champion."""
     ids = val.select("journey_id")
 
     def on_val(scores: pl.DataFrame) -> np.ndarray:
         return ids.join(scores, on="journey_id", how="left").get_column("probability").to_numpy()
 
-    own = fitted.datamodule.splits["val"]
-    candidate = pl.DataFrame({"journey_id": own.journey_ids, "probability": evaluation.val_logits})
     return decide(
         val.get_column("label").to_numpy(),
         on_val(candidate),

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from journeys.encoding import EncodedJourneys, JourneyEncoder
     from journeys.in_flight import QuietSurvival
     from journeys.model import JourneyTransformer, ModelConfig
+    from journeys.stacking import Stack
     from journeys.vocab import Vocabularies
 
 WEIGHTS = "weights.safetensors"
@@ -181,6 +182,8 @@ class TrainedModel:
     quiet_survival: QuietSurvival | None = None
     model_uri: str = ""
     model_version: str | None = None
+    # With `train.stack`: gradient boosting on aggregates blended with the network's logit.
+    stack: Stack | None = None
 
     @property
     def config(self) -> ModelConfig:
@@ -210,10 +213,19 @@ class TrainedModel:
     def predict_proba(
         self, frame: pl.DataFrame, batch_size: int = PREDICT_BATCH_SIZE, calibrated: bool = True
     ) -> np.ndarray:
-        """Conversion probabilities; `calibrated` divides logits by the fitted temperature."""
+        """Conversion probabilities (`probabilities` of the network's logits)."""
+        return self.probabilities(self.predict_logits(frame, batch_size), frame, calibrated)
+
+    def probabilities(
+        self, logits: np.ndarray, frame: pl.DataFrame, calibrated: bool = True
+    ) -> np.ndarray:
+        """What is served, from the network's logits for `frame`: the stack's blend when the
+        model has one (a logistic regression fitted on val: calibrated as it is), else the
+        logits divided by the fitted temperature (`calibrated`) or as they are."""
         from journeys.metrics import sigmoid
 
-        logits = self.predict_logits(frame, batch_size)
+        if self.stack is not None:
+            return sigmoid(self.stack.combine(logits, frame))
         return sigmoid(logits, self.temperature if calibrated else 1.0)
 
     # ------------------------------------------------------------------------- files
@@ -249,7 +261,10 @@ class TrainedModel:
         (folder / CALIBRATION).write_text(
             json.dumps({"temperature": float(self.temperature)}) + "\n"
         )
-        return {name: folder / name for name in MODEL_FILES}
+        files = {name: folder / name for name in MODEL_FILES}
+        if self.stack is not None:
+            files |= {path.name: path for path in self.stack.save(folder)}
+        return files
 
     @classmethod
     def load(
@@ -259,6 +274,7 @@ class TrainedModel:
         from safetensors.torch import load_model as load_weights
 
         from journeys.model import JourneyTransformer, ModelConfig
+        from journeys.stacking import Stack
         from journeys.vocab import Vocabularies
 
         folder = Path(folder)
@@ -287,6 +303,7 @@ class TrainedModel:
             encoder, rules, survival = _read_settings(
                 stored, Vocabularies.load(folder), model.config
             )
+            stack = Stack.load(folder)
         except Exception as err:  # safetensors, JSON, shape or key errors: a damaged model
             raise InputError(
                 f"{model_uri or folder}: damaged model files ({WEIGHTS}, {PREPROCESSING}, ...): "
@@ -297,6 +314,7 @@ class TrainedModel:
             model=model,
             encoder=encoder,
             rules=rules,
+            stack=stack,
             temperature=temperature,
             quiet_survival=survival,
             model_uri=model_uri or str(folder),
@@ -403,7 +421,10 @@ def _requirements() -> list[str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
-    for package in ("torch", "safetensors", "polars", "numpy", "pandas", "mlflow", "journeys"):
+    for package in (
+        "torch", "safetensors", "polars", "numpy", "pandas", "scikit-learn", "skops", "mlflow",
+        "journeys",
+    ):  # fmt: skip
         try:
             out.append(f"{package}=={version(package)}")
         except PackageNotFoundError:
