@@ -147,6 +147,7 @@ class Staged:
     # source file -> {"rows": read, "quarantined": of them}
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)
     features: list[str] = field(default_factory=list)  # data.features the log has
+    features_left_out: list[str] = field(default_factory=list)  # default ones it lacks
 
 
 # The passes' own files, read back once or twice and deleted: written for speed (lz4), not
@@ -190,9 +191,10 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
     if quarantine:
         counts = pl.scan_parquet(quarantine).group_by(REASON).len().collect()
         quarantined |= dict(counts.iter_rows())  # type: ignore[arg-type]
+    left_out = [name for name in config.data.features if name not in scanned.features]
     return Staged(
         folder, partitions, quarantine, rows_read, sources, quarantined, by_source,
-        scanned.features,
+        scanned.features, left_out,
     )  # fmt: skip
 
 
@@ -404,10 +406,16 @@ def finish(
     short = report["journeys"] and unsplit / report["journeys"] > config.ingest.warn_unsplit_share
     # A short export, apart: `train` refuses an empty split with it (datasets.check_trainable).
     report["short_export"] = unsplit_warning(report) if short else None
+    left_out = staged.features_left_out
     report["warnings"] = [
         *([report["short_export"]] if short else []),
         *report_warnings(config, report, parts),
-    ]
+        *(
+            [f"the default features {left_out} are not in the log: ingested without them "
+             "(data.features names the ones to use)"]
+            if left_out else []
+        ),
+    ]  # fmt: skip
 
     columns = [*parts_columns(config)]
     write_quarantine(config, staged, quarantine_folder)
@@ -743,13 +751,7 @@ def run_ingest(
     quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
     with scratch_dir(journeys_folder.parent, "ingest") as scratch:
         staged = stage(config, scratch / "staged", raw)
-        if staged.features != config.data.features:
-            left_out = [f for f in config.data.features if f not in staged.features]
-            print(
-                f"journeys ingest: note: the default features {left_out} are not in the log: "
-                "ingested without them (data.features names the ones to use)",
-                file=sys.stderr,
-            )
+        if staged.features != config.data.features:  # default features the log lacks
             config = with_features(config, staged.features)
         check_quarantine(config, staged, quarantine_folder)
         built = scratch / "built"

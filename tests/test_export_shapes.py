@@ -367,8 +367,9 @@ def test_conversions_that_label_no_journey_are_warned_about(tmp_path: Path) -> N
 def test_the_default_features_do_not_trip_a_log_without_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`data.features` unset: the defaults the log has (none here), said in a note; train
-    reads them from the journeys. Named explicitly, a missing one is still an error."""
+    """`data.features` unset: the defaults the log has (none here), said in a warning after
+    the report; train reads them from the journeys. Named explicitly, a missing one is
+    still an error."""
     from journeys.datasets import dataset_features
     from journeys.vocab import Vocabularies
 
