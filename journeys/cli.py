@@ -79,9 +79,15 @@ def cmd_train(args: argparse.Namespace) -> None:
     # Fail fast, before torch and Lightning are even imported, and before any store or
     # run is created: a dataset that cannot be trained or evaluated registers nothing.
     sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
-    check_tracking_uri(tracking_uri(config))
+    from journeys.lightning_parts import global_rank
     from journeys.train import train_command
 
+    # torchrun and SLURM start this command once per rank: rank 0 alone touches the
+    # tracking store (two ranks creating a new store's tables at once collide) and the lock.
+    if global_rank() != 0:
+        train_command(config, resume=args.resume, sizes=sizes)
+        return
+    check_tracking_uri(tracking_uri(config))
     with stage_lock(config, "train"):
         train_command(config, resume=args.resume, sizes=sizes)
 

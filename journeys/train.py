@@ -313,13 +313,16 @@ def fit(
     if torch.cuda.is_available():
         torch.set_float32_matmul_precision("high")  # TF32 matmuls on Ampere and later
     vocabs = Vocabularies.load(config.paths.journeys)
-    # Off rank 0 the logger never creates a run: its experiment is rank-zero only.
-    logger = MLFlowLogger(
-        experiment_name=config.mlflow.experiment,
-        tracking_uri=tracking.tracking_uri(config),
-        run_id=run_id,
-        log_model=False,
-    )
+    # Rank 0 alone logs, so other ranks get no logger at all: building one opens the
+    # store, and two ranks creating a new SQLite store's tables at once collide (torchrun).
+    logger: MLFlowLogger | bool = False
+    if global_rank() == 0:
+        logger = MLFlowLogger(
+            experiment_name=config.mlflow.experiment,
+            tracking_uri=tracking.tracking_uri(config),
+            run_id=run_id,
+            log_model=False,
+        )
     settings = config.train
     trainer, checkpoint = build_trainer(config, logger, checkpoint_dir)
     positives, n_train = sizes["train"]["positives"], sizes["train"]["n"]

@@ -24,20 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 2
 
 
-@pytest.mark.slow
-def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> None:
-    from torchmetrics.classification import BinaryAUROC
-
-    from journeys.inference import run_model
-    from journeys.lightning_parts import JourneyDataModule
-    from journeys.model import JourneyTransformer
-    from journeys.trained_model import load_model
-    from journeys.vocab import Vocabularies
-
-    folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
-    n_val = pl.read_parquet(folder / "part-00000.parquet").filter(pl.col("split") == "val").height
-    assert n_val % 2 == 0, "an even val split: DistributedSampler then repeats no journey"
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def ddp_config(tmp_path: Path, folder: Path, uri: str) -> None:
+    """config.yaml in `tmp_path`: a tiny model, 2 epochs, both ranks drawing alike."""
     config = {
         "paths": {"journeys": str(folder), "checkpoints": str(tmp_path / "checkpoints")},
         "model": {"d_model": 16, "n_heads": 2, "n_layers": 1, "dropout": 0.0},
@@ -54,6 +42,9 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
         "mlflow": {"tracking_uri": uri},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def ddp_env() -> dict[str, str]:
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -61,6 +52,46 @@ def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> Non
         "OMP_NUM_THREADS": "1",  # two ranks on two cores
     }
     env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+@pytest.mark.slow
+def test_torchrun_on_a_new_tracking_store_makes_one_run_and_one_version(tmp_path: Path) -> None:
+    """torchrun starts `journeys train` once per rank: only rank 0 may touch the store (two
+    ranks creating a new SQLite store's tables at once failed 3 times of 3) or the lock."""
+    folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"  # not there yet
+    ddp_config(tmp_path, folder, uri)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["-m", "journeys.cli", "train", "--config", "config.yaml"]
+    command += ["--set", "train.devices=2", "--set", "train.strategy=ddp"]
+    command += ["--set", "train.accelerator=cpu"]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=ddp_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = MlflowClient(uri)
+    runs = client.search_runs(client.search_experiments()[0].experiment_id)
+    assert sorted(r.data.tags["model_family"] for r in runs) == ["baseline_prior", "transformer"]
+    assert len(client.search_model_versions()) == 1
+
+
+@pytest.mark.slow
+def test_two_process_ddp_logs_one_run_with_synced_metrics(tmp_path: Path) -> None:
+    from torchmetrics.classification import BinaryAUROC
+
+    from journeys.inference import run_model
+    from journeys.lightning_parts import JourneyDataModule
+    from journeys.model import JourneyTransformer
+    from journeys.trained_model import load_model
+    from journeys.vocab import Vocabularies
+
+    folder = make_journeys_dataset(tmp_path / "journeys", n=300, seed=3)
+    n_val = pl.read_parquet(folder / "part-00000.parquet").filter(pl.col("split") == "val").height
+    assert n_val % 2 == 0, "an even val split: DistributedSampler then repeats no journey"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    ddp_config(tmp_path, folder, uri)
+    env = ddp_env()
     command = [sys.executable, "-m", "journeys.cli", "train", "--config", "config.yaml"]
     command += ["--set", "train.devices=2", "--set", "train.strategy=ddp"]
     command += ["--set", "train.accelerator=cpu"]
