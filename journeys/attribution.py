@@ -610,7 +610,7 @@ def attribute_command(
     warning, when it cannot be trained); the report is logged to the scoring run when the
     scores name one and the tracking store exists.
     """
-    from journeys.tracking import mlflow_run, tracking_uri
+    from journeys.tracking import mlflow_run, redact_uri, tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     scores = Path(scores or config.paths.scores)
@@ -619,7 +619,10 @@ def attribute_command(
     metadata = read_metadata(scores)
     store = tracking_uri(config)
     settings = config.attribution
-    made_from = {"scores": metadata, "settings": settings.model_dump(mode="json")}
+    scores_made = metadata | (
+        {"model_uri": redact_uri(metadata["model_uri"])} if "model_uri" in metadata else {}
+    )
+    made_from = {"scores": scores_made, "settings": settings.model_dump(mode="json")}
     existing = read_report(out)
     if existing is not None and metadata and existing.summary.get(MADE_FROM) == made_from:
         # `journeys score` built it a moment ago from these very scores and settings.

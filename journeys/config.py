@@ -20,8 +20,10 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -96,6 +98,10 @@ REQUIRED_COLUMNS = ("user_id", "timestamp", "event_type")
 DEFAULT_FEATURES = ("channel", "device")
 # Optional logical columns besides the required ones and the features.
 SEQUENCE_COLUMN = "sequence"  # the order of events that share a timestamp
+# `data.conversion_flag`'s working columns: the flag's text, the conversion time's text and
+# that time parsed, and the mark on the conversion events a flag adds.
+FLAG, FLAG_TIME, FLAG_TS = "conversion_flag", "conversion_time", "conversion_ts"
+FROM_FLAG = "from_flag"
 
 
 class ConversionFlag(Section):
@@ -165,6 +171,15 @@ class Data(Section):
         """Every per-event column read besides the required ones: features, then numbers."""
         return [*self.features, *self.numeric_features]
 
+    @model_serializer(mode="wrap")
+    def _unset_features_stay_unset(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # A configuration handed on as a dict (a flow's parameters, a subprocess) must
+        # still take the defaults the log has, not demand them.
+        data = handler(self)
+        if not self.features_given and isinstance(data, dict):
+            data.pop("features", None)
+        return data
+
     @property
     def features_given(self) -> bool:
         """Whether the configuration sets `features` (else they are the defaults, and ingest
@@ -222,9 +237,17 @@ class Data(Section):
         if both:
             raise ValueError(f"events both converting and dropped: {sorted(both)}")
         columns = self.event_columns
-        reserved = {*REQUIRED_COLUMNS, SEQUENCE_COLUMN} & set(columns)
-        if reserved:
-            raise ValueError(f"features cannot be {sorted(reserved)}")
+        reserved = {*REQUIRED_COLUMNS, SEQUENCE_COLUMN, FLAG, FLAG_TIME, FLAG_TS, FROM_FLAG}
+        if reserved & set(columns):
+            raise ValueError(f"features cannot be named {sorted(reserved & set(columns))}")
+        if self.conversion_flag is not None:
+            label = {self.conversion_flag.column, self.conversion_flag.time} - {None}
+            leaking = [name for name in columns if label & set(self.aliases(name))]
+            if leaking:
+                raise ValueError(
+                    f"features {leaking} read the conversion flag's columns {sorted(label)}: "
+                    "they are the label; drop them from data.features"
+                )
         if len(set(columns)) != len(columns):
             raise ValueError("features (and numeric_features) are listed twice")
         if self.valid_from and self.valid_until and self.valid_from >= self.valid_until:
@@ -248,15 +271,11 @@ class Data(Section):
                 )
         return self
 
-    def column(self, logical: str) -> str:
-        """The raw column for a logical one (user_id, timestamp, event_type, a feature): its
-        name (the first of its aliases), a dotted path into nested records, or `column_<n>`
-        for position n (the name `journeys.events` gives the n-th column of a file without
-        a header)."""
-        return self.aliases(logical)[0]
-
     def aliases(self, logical: str) -> list[str]:
-        """Every raw name the logical column may have in a file, in the order tried."""
+        """Every raw name a logical column (user_id, timestamp, event_type, a feature) may
+        have in a file, in the order tried: names, dotted paths into nested records, or
+        `column_<n>` for position n (the name `journeys.events` gives the n-th column of a
+        file without a header)."""
         raw = self.columns.get(logical, logical)
         if isinstance(raw, int):
             return [f"column_{raw}"]
@@ -674,5 +693,4 @@ def load_config(paths: ConfigFiles = None, overrides: list[str] | None = None) -
 def with_features(config: Config, features: list[str]) -> Config:
     """`config` with `data.features` set to `features` (then counted as given)."""
     data = config.data.model_copy(update={"features": list(features)})
-    data.model_fields_set.add("features")
     return config.model_copy(update={"data": data})

@@ -17,8 +17,16 @@ from zoneinfo import ZoneInfo
 
 import polars as pl
 
+from journeys.config import (
+    FLAG,
+    FLAG_TIME,
+    FLAG_TS,
+    FROM_FLAG,
+    SEQUENCE_COLUMN,
+    Data,
+    parse_duration,
+)
 from journeys.config import REQUIRED_COLUMNS as REQUIRED
-from journeys.config import SEQUENCE_COLUMN, Data, parse_duration
 from journeys.datasets import UTC_US
 from journeys.errors import InputError, first_line
 
@@ -34,9 +42,6 @@ REASONS = (
 
 SOURCE, ROW = "source_file", "row_number"
 TS = "ts"  # the parsed UTC timestamp; `timestamp` keeps the original text
-# `data.conversion_flag`: the flag's text, its conversion time's text, and that time parsed.
-FLAG, FLAG_TIME, FLAG_TS = "conversion_flag", "conversion_time", "conversion_ts"
-FROM_FLAG = "from_flag"  # on the conversion events `clean_events` adds for flagged touches
 REASON = "reason"
 ROW_HASH = "row_hash"  # a hash of the source row's unread columns (data.dedupe: all_columns)
 
@@ -553,8 +558,9 @@ def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
         data.exclude_users
     )
     kept = deduped.filter(~dropped) if data.drop_events or data.exclude_users else deduped
-    order = [parse_number(pl.col(SEQUENCE_COLUMN)).alias(SEQUENCE_COLUMN)] if data.sequence else []
-    events = kept.select("user_id", TS, "event_type", *data.event_columns, *order, SOURCE, ROW)
+    events = kept.select(
+        "user_id", TS, "event_type", *data.event_columns, *sequence_exprs(data), SOURCE, ROW
+    )
     if data.conversion_flag is not None:
         events = events.with_columns(pl.lit(False).alias(FROM_FLAG))
         events = pl.concat([events, flagged_conversions(kept, data, events.columns)])
@@ -568,6 +574,13 @@ def clean_events(rows: pl.DataFrame, data: Data) -> CleanEvents:
     )
 
 
+def sequence_exprs(data: Data) -> list[pl.Expr]:
+    """The order column as a number (`data.columns.sequence`), or nothing without one."""
+    if not data.sequence:
+        return []
+    return [parse_number(pl.col(SEQUENCE_COLUMN)).alias(SEQUENCE_COLUMN)]
+
+
 def flagged_conversions(rows: pl.DataFrame, data: Data, columns: list[str]) -> pl.DataFrame:
     """A conversion event (`conversion_flag.event`) for each flagged touch in `rows`, at the
     conversion's time (never before the touch; the touch's own where none is given), with
@@ -576,7 +589,6 @@ def flagged_conversions(rows: pl.DataFrame, data: Data, columns: list[str]) -> p
     at = pl.col(TS)
     if FLAG_TS in rows.columns:
         at = pl.max_horizontal(pl.coalesce(pl.col(FLAG_TS), at), at)
-    order = [parse_number(pl.col(SEQUENCE_COLUMN)).alias(SEQUENCE_COLUMN)] if data.sequence else []
     return (
         rows.filter(converted_expr(data))
         .select(
@@ -584,7 +596,7 @@ def flagged_conversions(rows: pl.DataFrame, data: Data, columns: list[str]) -> p
             at.alias(TS),
             pl.lit(data.conversion_flag.event).alias("event_type"),
             *data.event_columns,
-            *order,
+            *sequence_exprs(data),
             SOURCE,
             ROW,
             pl.lit(True).alias(FROM_FLAG),

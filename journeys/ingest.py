@@ -27,12 +27,10 @@ from typing import Any
 
 import polars as pl
 
-from journeys.config import SEQUENCE_COLUMN, Config, Data, with_features
+from journeys.config import FLAG_TS, FROM_FLAG, SEQUENCE_COLUMN, Config, Data, with_features
 from journeys.datasets import NO_SPLIT, PART_FILE, REPORT_FILE, SPLITS, UTC_US, read_journeys
 from journeys.errors import InputError, first_line
 from journeys.events import (
-    FLAG_TS,
-    FROM_FLAG,
     REASON,
     REASONS,
     ROW,
@@ -99,9 +97,11 @@ def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
         # steps after approval): such events belong to the converted journey's aftermath.
         seen = pl.col("_conversion").cast(pl.Int32).cum_sum().over("_visit", order_by=ROW_ORDER)
         after = (seen - pl.col("_conversion").cast(pl.Int32)) > 0
-        kept = tagged.with_row_index(ROW_ORDER).filter(~after).drop(ROW_ORDER)
-        dropped_after = tagged.height - kept.height
-        tagged = kept
+        flagged = tagged.with_row_index(ROW_ORDER).with_columns(_after=after)
+        # Rows of the log only: a conversion made from a flag column is not one.
+        input_rows = ~pl.col(FROM_FLAG) if FROM_FLAG in events.columns else pl.lit(True)
+        dropped_after = flagged.filter(pl.col("_after") & input_rows).height
+        tagged = flagged.filter(~pl.col("_after")).drop(ROW_ORDER, "_after")
     tagged = tagged.with_columns(
         _journey=(
             (pl.col("_visit") != pl.col("_visit").shift(1)).fill_null(True)
@@ -230,9 +230,11 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
     built.journeys.write_parquet(out, compression=SCRATCH_COMPRESSION)
     converting = clean.events.filter(pl.col("event_type").is_in(conversions))
     by_source = converting.group_by(SOURCE).len()
-    per_user = (
-        clean.events.group_by("user_id").len().sort(["len", "user_id"], descending=[True, False])
-    )
+    # The log's own rows (not the conversions a flag column adds) for the skew warning.
+    logged = clean.events
+    if FROM_FLAG in logged.columns:
+        logged = logged.filter(~pl.col(FROM_FLAG))
+    per_user = logged.group_by("user_id").len().sort(["len", "user_id"], descending=[True, False])
     return PartitionResult(
         path=out,
         rows_valid=clean.rows_valid,
@@ -247,7 +249,7 @@ def build_partition(partition: Path | None, config: Config, out: Path) -> Partit
         event_map_matched=clean.event_map_matched,
         conversions_by_source=dict(by_source.iter_rows()),  # type: ignore[arg-type]
         top_user=per_user.row(0) if per_user.height else None,  # type: ignore[arg-type]
-        events=clean.events.height,
+        events=logged.height,
     )
 
 

@@ -102,7 +102,7 @@ class JourneyRules:
 
     features: tuple[str, ...]
     numeric_features: tuple[str, ...]
-    columns: dict[str, str | int]
+    columns: dict[str, str | int | list[str]]
     header: bool
     separator: str | None
     timezone: str

@@ -402,3 +402,55 @@ def test_an_unknown_file_extension_names_data_format(
     assert cli_ingest(tmp_path / "events.log", tmp_path) == 2
     err = capsys.readouterr().err
     assert "unsupported file type '.log'" in err and "data.format" in err
+
+
+def test_with_a_flag_and_after_conversion_drop_only_log_rows_are_counted_dropped(
+    tmp_path: Path,
+) -> None:
+    """Two flagged clicks and a third in one visit: the second and third are the converted
+    journey's aftermath (dropped and counted); the conversions a flag adds are no rows."""
+    clicks = pl.DataFrame(
+        {
+            "ip": ["1", "1", "1"],
+            "app": ["a", "b", "c"],
+            "channel": ["x", "x", "x"],
+            "os": ["o", "o", "o"],
+            "click_time": ["2017-11-06 10:00:00", "2017-11-06 10:05:00", "2017-11-06 10:09:00"],
+            "attributed_time": ["", "", ""],
+            "is_attributed": ["1", "1", "0"],
+        }
+    )
+    clicks.write_csv(tmp_path / "clicks.csv")
+    report = ingest(
+        ad_clicks_config(
+            tmp_path, f"paths.raw={tmp_path / 'clicks.csv'}", "journey.after_conversion=drop"
+        )
+    )
+    assert_accounting(report)
+    assert report["dropped_by_config"] == report["dropped_after_conversion"] == 2
+    assert report["rows_valid"] == report["events_in_journeys"] == 1
+    assert report["journeys_converted"] == 1
+
+
+def test_a_feature_that_reads_the_flag_is_refused_as_the_label() -> None:
+    from journeys.config import Data
+
+    flag = {"column": "is_attributed", "values": ["1"], "time": "attributed_time"}
+    for settings in (
+        {"features": ["is_attributed"]},
+        {"features": ["when"], "columns": {"when": ["attributed_time"]}},
+        {"numeric_features": ["from_flag"]},
+    ):
+        with pytest.raises(ValueError, match=r"label|cannot be named"):
+            Data(conversion_flag=flag, conversion_events=[], **settings)
+
+
+def test_unset_features_stay_unset_when_the_configuration_travels_as_a_dict() -> None:
+    """Flows hand the configuration to deployments and training subprocesses as a dict:
+    `data.features` unset must still mean the defaults the log has."""
+    from journeys.config import Config
+
+    travelled = Config.model_validate(load_config(None, []).model_dump(mode="json"))
+    assert not travelled.data.features_given
+    named = load_config(None, ["data.features=[channel]"]).model_dump(mode="json")
+    assert Config.model_validate(named).data.features == ["channel"]
