@@ -8,6 +8,7 @@ Errors the user can fix (`JourneysError`) print one line and exit 2, with no tra
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -79,17 +80,30 @@ def cmd_train(args: argparse.Namespace) -> None:
     # Fail fast, before torch and Lightning are even imported, and before any store or
     # run is created: a dataset that cannot be trained or evaluated registers nothing.
     sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
-    from journeys.lightning_parts import global_rank
-    from journeys.train import train_command
-
     # torchrun and SLURM start this command once per rank: rank 0 alone touches the
     # tracking store (two ranks creating a new store's tables at once collide) and the lock.
-    if global_rank() != 0:
+    if launcher_rank() == 0:
+        check_tracking_uri(tracking_uri(config))
+    from journeys.train import train_command
+
+    if launcher_rank() != 0:
         train_command(config, resume=args.resume, sizes=sizes)
         return
-    check_tracking_uri(tracking_uri(config))
     with stage_lock(config, "train"):
         train_command(config, resume=args.resume, sizes=sizes)
+
+
+# Where launchers put a process's rank, in the order Lightning reads them.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def launcher_rank() -> int:
+    """This process's rank as torchrun, SLURM or Lightning's DDP launcher set it (0 when
+    started alone), read from the environment: known before torch is imported."""
+    for name in RANK_VARIABLES:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 0
 
 
 def cmd_score(args: argparse.Namespace) -> None:

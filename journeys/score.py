@@ -80,7 +80,7 @@ from journeys.datasets import (
     scores_schema,
     scoring_columns,
 )
-from journeys.errors import InputError, first_line
+from journeys.errors import ConfigError, InputError, first_line
 from journeys.in_flight import cut_at, in_flight_probability, mark_open
 from journeys.storage import atomic_dir, scratch_dir
 from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, mlflow_run, tracking_ready
@@ -355,9 +355,17 @@ def chunk_bounds(total: int, most: int) -> list[tuple[int, int]]:
 
 def chunks_in_pool(task_runner: str, workers: int | None) -> MapChunks | None:
     """The CLI's map for `orchestration.task_runner` and `max_workers` (None: one per CPU
-    core): a local pool of threads (`thread`) or processes (`process`, `dask`: a Dask
-    cluster is the score flow's), each worker with its share of the cores for PyTorch.
-    None with one worker: scored in order, here."""
+    core): a local pool of threads (`thread`) or processes (`process`), each worker with
+    its share of the cores for PyTorch. None with one worker: scored in order, here.
+
+    A Dask cluster is the score flow's (`journeys pipeline`, the deployments): asked for
+    here, it is refused rather than replaced by local processes without a word."""
+    if task_runner == "dask":
+        raise ConfigError(
+            "journeys score runs on this machine's threads or processes; a Dask cluster "
+            "(orchestration.task_runner=dask) scores through the Prefect flows (journeys "
+            "pipeline, journeys serve): add --set orchestration.task_runner=process here"
+        )
     workers = workers or os.cpu_count() or 1
     if workers <= 1:
         return None

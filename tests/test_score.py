@@ -328,7 +328,13 @@ def test_bad_model_or_input_exits_2_with_one_line(
         (["--model", str(model), "--input", str(broken)], "cannot read"),
         (["--model", str(model), "--input", str(no_device)], "lack column(s) ['device']"),
         (["--model", str(model), "--input", str(other_columns)], "missing column"),
-    ]
+        # A Dask cluster is the flows': refused here, never replaced by local processes.
+        (
+            ["--model", str(model), "--input", str(journeys), "--set",
+             "orchestration.task_runner=dask", "--set", "orchestration.max_workers=2"],
+            "--set orchestration.task_runner=process here",
+        ),
+    ]  # fmt: skip
     for args, needle in cases:
         code = main(["score", *args, *settings(tmp_path)])
         err = capsys.readouterr().err
