@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from journeys.config import Config, Orchestration, is_redacted, load_config
+from journeys.config import (
+    Config,
+    Orchestration,
+    is_redacted,
+    load_config,
+    with_absolute_paths,
+)
 from journeys.errors import ConfigError, JourneysError
 
 if TYPE_CHECKING:
@@ -49,7 +55,9 @@ def resolve_config(
     config_file: str | None = None,
     overrides: list[str] | None = None,
 ) -> Config:
-    """A flow's configuration: the given object, else the file plus `--set` overrides."""
-    if config is not None:
-        return config
-    return load_config(config_file, overrides)
+    """A flow's configuration: the given object, else the file plus `--set` overrides;
+    its paths made absolute here, on the flow's host, before any task ships them to a
+    worker (`with_absolute_paths`)."""
+    if config is None:
+        config = load_config(config_file, overrides)
+    return with_absolute_paths(config)

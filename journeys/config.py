@@ -694,3 +694,11 @@ def with_features(config: Config, features: list[str]) -> Config:
     """`config` with `data.features` set to `features` (then counted as given)."""
     data = config.data.model_copy(update={"features": list(features)})
     return config.model_copy(update={"data": data})
+
+
+def with_absolute_paths(config: Config) -> Config:
+    """`config` with every `paths.*` absolute, resolved against this process's working
+    folder: a worker started elsewhere (a Dask worker, a process pool) would resolve a
+    relative path against its own and read nothing."""
+    absolute = {name: str(Path(value).absolute()) for name, value in config.paths}
+    return config.model_copy(update={"paths": config.paths.model_copy(update=absolute)})

@@ -654,3 +654,20 @@ def test_pipeline_against_a_real_mlflow_server(tmp_path: Path) -> None:
     assert int(champion.version) == summary["train"]["champion_version"]
     assert artifacts  # uploaded through the server
     assert summary["score"]["rows"] == summary["ingest"]["journeys"]
+
+
+def test_a_flows_paths_are_made_absolute_on_its_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Relative paths (the defaults, `data/...`) would resolve against a Dask worker's own
+    folder there and read nothing: the flow resolves them here, before any task ships."""
+    from flows.settings import resolve_config
+    from journeys.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    resolved = resolve_config(load_config(None, ["paths.raw=logs/*.csv"]))
+    assert resolved.paths.raw == str(tmp_path / "logs" / "*.csv")
+    assert resolved.paths.journeys == str(tmp_path / "data" / "journeys")
+    assert all(Path(value).is_absolute() for _, value in resolved.paths)
+    again = resolve_config(config_file=None, overrides=["paths.scores=/srv/scores"])
+    assert again.paths.scores == "/srv/scores" and Path(again.paths.reports).is_absolute()
