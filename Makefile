@@ -18,14 +18,14 @@ setup: $(STAMP)
 
 # Install torch first: on a machine without a GPU the CPU build (on disk here) satisfies
 # Lightning's torch requirement, so pip never pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	if command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/python -m pip install -q "torch>=2.13,<2.15"; \
 	else \
 	  $(BIN)/python -m pip install -q torch==2.13.0; \
 	fi
-	$(BIN)/python -m pip install -q -e ".[dev,postgres]"
+	$(BIN)/python -m pip install -q -e ".[dev,postgres,dask]"
 	touch $(STAMP)
 
 run: $(STAMP)
