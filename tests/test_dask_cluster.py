@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,16 +15,11 @@ from pathlib import Path
 import polars as pl
 import psutil
 import pytest
+from conftest import free_port
 from test_flows import isolated, orchestrate, tiny_config
 
 WORKERS = 2
 START_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

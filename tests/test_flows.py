@@ -12,7 +12,6 @@ import io
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 import polars as pl  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 from journeys.config import Config, load_config  # noqa: E402
 from journeys.errors import InputError, JourneysError  # noqa: E402
@@ -594,16 +594,10 @@ def test_prefect_yaml_matches_the_default_schedules() -> None:
 # ----------------------------------------------------------------------------- MLflow server
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def mlflow_server(folder: Path) -> Iterator[str]:
     """A real `mlflow server` on 127.0.0.1 (SQLite backend, proxied artifacts in `folder`)."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",

@@ -19,7 +19,6 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 
 import polars as pl
 import pytest
+from conftest import free_port
 
 from tests.test_reliability import ENV, TINY, cli, path_args, sets
 
@@ -51,12 +51,6 @@ def _binary(name: str) -> str | None:
     """A PostgreSQL server program: on PATH, else Debian's versioned folder."""
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)
     return shutil.which(name) or (found[0] if found else None)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -105,7 +99,7 @@ def postgres() -> Iterator[Postgres]:
         for path in (root, secret_file):
             os.chown(path, owner.pw_uid, owner.pw_gid)
         as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = root / "data", _free_port()
+    data, port = root / "data", free_port()
     try:
         subprocess.run(
             [*as_user, initdb, "-D", str(data), "-U", USER, "--auth=scram-sha-256",
@@ -165,7 +159,7 @@ class Servers:
 def servers(postgres: Postgres, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     """`mlflow server` and `prefect server start`, both on the PostgreSQL cluster."""
     folder = tmp_path_factory.mktemp("servers")
-    mlflow_port, prefect_port = _free_port(), _free_port()
+    mlflow_port, prefect_port = free_port(), free_port()
     mlflow = f"http://127.0.0.1:{mlflow_port}"
     prefect_api = f"http://127.0.0.1:{prefect_port}/api"
     bin_dir = Path(sys.executable).parent
