@@ -20,6 +20,7 @@ from test_flows import isolated, orchestrate, tiny_config
 
 WORKERS = 2
 START_TIMEOUT_S = 60
+STOP_TIMEOUT_S = 90
 
 
 @pytest.fixture
@@ -60,12 +61,13 @@ def cluster(tmp_path: Path) -> Iterator[str]:
             process.send_signal(signal.SIGTERM)
         for process in started:
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 process.kill()
-        _, alive = psutil.wait_procs(family, timeout=30)
+        # Under a loaded machine a worker's Prefect server takes a while to wind down.
+        _, alive = psutil.wait_procs(family, timeout=STOP_TIMEOUT_S)
         alive = [process for process in alive if running(process)]  # zombies ran to the end
-        names = [process.name() for process in alive]
+        names = [" ".join(process.cmdline()[:6]) for process in alive]
         for straggler in alive:
             straggler.kill()
         assert not alive, f"left running after the cluster stopped: {names}"
