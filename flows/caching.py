@@ -1,8 +1,11 @@
-"""Cache keys from input CONTENT, and markers that tie outputs on disk to a key.
+"""Cache keys from inputs, and markers that tie outputs on disk to a key.
 
-A stage's key hashes the bytes of its input files, the config sections it reads and the
-source of the library modules that do the work: unchanged inputs give the same key, so
-Prefect returns the cached result instead of recomputing. A cached result is only
+A stage's key hashes its inputs, the config sections it reads and the source of the
+library modules that do the work: unchanged inputs give the same key, so Prefect returns
+the cached result instead of recomputing. Inputs that are never rewritten in place (raw
+day files, the part files of journeys and scores) are hashed by name, size and time
+(`listing_digest`), so a nightly run's key costs what the listing costs, not the bytes of
+the history. A cached result is only
 trusted while the outputs it describes are still on disk and unchanged since that run:
 each cached task leaves a marker (`.<output>.flow-cache.json`, beside the output) with
 the key and the size and mtime of every output file; no matching marker, no cache hit.
@@ -51,6 +54,17 @@ def digest_files(files: Iterable[Path]) -> str:
         with open(path, "rb") as handle:
             while chunk := handle.read(CHUNK):
                 digest.update(chunk)
+    return digest.hexdigest()
+
+
+def listing_digest(files: Iterable[Path]) -> str:
+    """Hash of the files' absolute names, sizes and modification times, reading no byte of
+    them: enough for inputs never rewritten in place (ingest's and scoring's part files;
+    raw files, which ingest's manifest checks before it reads anything)."""
+    digest = _hasher()
+    for path in sorted(Path(f).absolute() for f in files):
+        stat = path.stat()
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
     return digest.hexdigest()
 
 

@@ -44,6 +44,7 @@ from flows.caching import (
     digest_files,
     files_under,
     library_code,
+    listing_digest,
     outputs_match,
     remember_training,
     stage_key,
@@ -119,7 +120,8 @@ def _configured(task_: Any, settings: Orchestration, **options: Any) -> Any:
 class StageInputs:
     """What a cached stage's key hashes besides config and code, looked up under its lock."""
 
-    files: list[Path]
+    files: list[Path]  # hashed by their bytes
+    listed: list[Path] = field(default_factory=list)  # by name, size and time only
     extra: list[str] = field(default_factory=list)  # more key parts: a store, a model version
     arguments: dict[str, Any] = field(default_factory=dict)  # more task arguments
 
@@ -144,7 +146,7 @@ def cached_stage(
     settings = orchestration(config)
     with stage_lock(config, stage, on_wait=get_run_logger().info):
         found = inputs()
-        key = fingerprint_task(stage, config, found.files, found.extra)
+        key = fingerprint_task(stage, config, found.files, found.listed, found.extra)
         # A cache hit only when caching is on and the outputs are intact.
         options = {"refresh_cache": not (settings.cache and fresh(key)), **(task_options or {})}
         run = _configured(task_, settings, **options)
@@ -254,22 +256,28 @@ def _retry_ingest(task_: Any, task_run: Any, state: State) -> bool:
 
 @task(name="fingerprint", task_run_name="fingerprint-{stage}")
 def fingerprint_task(
-    stage: str, config: Config, files: list[Path], extra: list[str] | None = None
+    stage: str,
+    config: Config,
+    files: list[Path],
+    listed: list[Path] | None = None,
+    extra: list[str] | None = None,
 ) -> str:
-    """The content cache key of a stage: input bytes + config sections + library code."""
+    """The cache key of a stage: inputs + config sections + library code."""
     sections, code = stage_inputs(stage, config)
     started = time.perf_counter()
     key = stage_key(
         stage,
         digest_files(files),
+        listing_digest(listed or []),
         config_digest(config, sections),
         code_digest(*code),
         *(extra or []),
     )
     get_run_logger().info(
-        "%s inputs: %d file(s) hashed in %.1f s -> %s",
+        "%s inputs: %d file(s) hashed, %d listed in %.1f s -> %s",
         stage,
         len(files),
+        len(listed or []),
         time.perf_counter() - started,
         key,
     )
@@ -277,10 +285,11 @@ def fingerprint_task(
 
 
 @task(name="ingest", cache_key_fn=task_key, persist_result=True, result_serializer="json")
-def ingest_task(config: Config, key: str) -> dict[str, Any]:
-    """The three ingest passes, pass 2 mapped over partitions on the configured runner."""
+def ingest_task(config: Config, key: str, full: bool = False) -> dict[str, Any]:
+    """The three ingest passes, pass 2 mapped over partitions on the configured runner:
+    only the raw files not ingested yet, unless `full`."""
     result = ingest_lib.run_ingest(
-        config, map_partitions=partitions_as_tasks(orchestration(config))
+        config, map_partitions=partitions_as_tasks(orchestration(config)), full=full
     )
     get_run_logger().info(
         "ingested %s rows from %d file(s) in %d partition(s)",
@@ -298,17 +307,25 @@ def ingest_flow(
     config: Config | None = None,
     config_file: str | None = None,
     overrides: list[str] | None = None,
+    full: bool = False,
 ) -> dict[str, Any]:
-    """Raw event logs -> journeys, quarantine and the ingest report (cached on content)."""
+    """Raw event logs -> journeys, quarantine and the ingest report: the files not ingested
+    yet (`full`: all of them). Cached on the raw files' listing (names, sizes, times), so
+    the key never reads a raw file; a new file changes it, and ingest reads that file."""
     from journeys.events import resolve_sources
 
     config = resolve_config(config, config_file, overrides)
     paths = config.paths
+
+    def inputs() -> StageInputs:
+        sources = resolve_sources(paths.raw)
+        return StageInputs([], sources, ["full"] if full else [], {"full": full})
+
     return cached_stage(
         "ingest",
         config,
         ingest_task,
-        inputs=lambda: StageInputs(resolve_sources(paths.raw)),
+        inputs=inputs,
         fresh=lambda key: outputs_match(key, paths.journeys, paths.quarantine),
         markdown=lambda report: text.ingest_markdown(report, paths.journeys, paths.quarantine),
         description="Ingest report",
@@ -436,7 +453,7 @@ def train_flow(
         "train",
         config,
         train_task,
-        inputs=lambda: StageInputs(files_under(config.paths.journeys), [redact_uri(uri)]),
+        inputs=lambda: StageInputs([], files_under(config.paths.journeys), [redact_uri(uri)]),
         fresh=lambda key: train_outputs_exist(config, key),
         markdown=text.train_markdown,
         description="Training run",
@@ -506,7 +523,7 @@ def score_flow(
         uri = tracking.tracking_uri(config)
         model_uri, run_id = tracking.champion_uri(uri, config.mlflow.registered_model)
         files = files_under(config.paths.journeys)
-        return StageInputs(files, [model_uri, run_id], {"model_uri": model_uri})
+        return StageInputs([], files, [model_uri, run_id], {"model_uri": model_uri})
 
     scored = cached_stage(
         "score",
@@ -552,7 +569,7 @@ def attribution_flow(
         "attribution",
         config,
         attribution_task,
-        inputs=lambda: StageInputs(files_under(config.paths.scores)),
+        inputs=lambda: StageInputs([], files_under(config.paths.scores)),
         fresh=lambda key: outputs_match(key, config.paths.reports),
         markdown=text.attribution_markdown,
         description="Attribution report",

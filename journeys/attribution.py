@@ -48,6 +48,7 @@ converting journeys; for credit, each journey's positive attributions are normal
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -60,7 +61,7 @@ import numpy as np
 import polars as pl
 
 from journeys.config import redact_uri
-from journeys.datasets import MISSING_VALUE, read_metadata, scan_scores
+from journeys.datasets import MISSING_VALUE, read_metadata, scan_scores, scores_window_start
 from journeys.errors import InputError, first_line
 from journeys.plots import plot_credit, plot_examples, plot_position
 from journeys.storage import atomic_dir
@@ -615,14 +616,20 @@ def attribute_command(
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     scores = Path(scores or config.paths.scores)
     out = Path(out or config.paths.reports)
-    frame = scan_scores(scores)
+    settings = config.attribution
+    since = scores_window_start(scores, settings.window_delta)
+    frame = scan_scores(scores, since)
     metadata = read_metadata(scores)
     store = tracking_uri(config)
-    settings = config.attribution
     scores_made = metadata | (
         {"model_uri": redact_uri(metadata["model_uri"])} if "model_uri" in metadata else {}
     )
-    made_from = {"scores": scores_made, "settings": settings.model_dump(mode="json")}
+    # Which files, not only which run: a nightly scoring keeps earlier files beside new ones.
+    names = sorted(p.name for p in scores.glob("*.parquet")) if scores.is_dir() else [scores.name]
+    files = hashlib.blake2b("\0".join(names).encode(), digest_size=8).hexdigest()
+    made_from = {
+        "scores": scores_made, "files": files, "settings": settings.model_dump(mode="json")
+    }  # fmt: skip
     existing = read_report(out)
     if existing is not None and metadata and existing.summary.get(MADE_FROM) == made_from:
         # `journeys score` built it a moment ago from these very scores and settings.
@@ -631,6 +638,8 @@ def attribute_command(
     trained = _load_scoring_model(metadata, store) if settings.ig_sample else None
     report = build_report(frame, trained=trained, settings=settings)
     report.summary[MADE_FROM] = made_from
+    if since is not None:  # attribution.window
+        report.summary["journeys_since"] = since.isoformat()
     write_report(report, out)
     print_credit(report)
     if "note" in report.summary:

@@ -68,7 +68,7 @@ def cmd_ingest(args: argparse.Namespace) -> None:
     config = _config(args)
     resolve_sources(config.paths.raw)  # a missing input fails before any lock or folder
     with stage_lock(config, "ingest"):
-        report = ingest(config)
+        report = ingest(config, full=args.full)
     print_report(report)
 
 
@@ -79,7 +79,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     config = dataset_features(_config(args))
     # Fail fast, before torch and Lightning are even imported, and before any store or
     # run is created: a dataset that cannot be trained or evaluated registers nothing.
-    sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
+    sizes = check_trainable(
+        config.paths.journeys, config.data.features, config.split.fractions,
+        config.train.window_delta,
+    )  # fmt: skip
     # torchrun and SLURM start this command once per rank: rank 0 alone touches the
     # tracking store (two ranks creating a new store's tables at once collide) and the lock.
     if launcher_rank() == 0:
@@ -179,7 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--users", type=int, default=None)
     sim.add_argument("--seed", type=int, default=None)
 
-    command("ingest", cmd_ingest, "raw event logs -> validated, labelled, split journeys")
+    ingest = command("ingest", cmd_ingest, "raw event logs -> validated, labelled, split journeys")
+    ingest.add_argument(
+        "--full",
+        action="store_true",
+        help="rebuild from every raw file (default: read only the files not ingested yet)",
+    )
 
     train = command("train", cmd_train, "train the transformer and baselines, log to MLflow")
     train.add_argument("--resume", action="store_true", help="continue the last interrupted run")

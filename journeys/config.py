@@ -340,6 +340,15 @@ class Ingest(Section):
     warn_top_user_share: Annotated[float, Field(gt=0, le=1)] = 0.2
     # ... a source file's quarantine rate is this many times the other files' (and 5%+).
     warn_source_quarantine_factor: Annotated[float, Field(gt=1)] = 5.0
+    # Nightly runs (incremental ingest): an event may arrive this long after the last
+    # ingest's data end and still land where a full rebuild would put it; older ones are
+    # quarantined as `late` (`journeys ingest --full` takes them in). A longer bound keeps
+    # more journeys open, so each nightly run rebuilds more.
+    late_allowed: Duration = "3d"
+
+    @property
+    def late_allowed_delta(self) -> timedelta:
+        return parse_duration(self.late_allowed)
 
 
 class Vocab(Section):
@@ -490,6 +499,14 @@ class Train(Section):
     # The val metric that picks the checkpoint and stops early: the journey's AUC (what is
     # scored), or with every_prefix the AUC over every val prefix (prefix-by-prefix use).
     monitor: Literal["val_roc_auc", "val_prefix_roc_auc"] = "val_roc_auc"
+    # Train (and validate and test) on the journeys that ended within this long of the
+    # data's end, so a weekly retrain over nightly ingests does not grow with the history;
+    # null: every journey. The split's cuts stay the ingest's (`journeys.datasets.in_window`).
+    window: Duration | None = None
+
+    @property
+    def window_delta(self) -> timedelta | None:
+        return None if self.window is None else parse_duration(self.window)
 
     @model_validator(mode="after")
     def _prefix_settings(self) -> Train:
@@ -536,6 +553,14 @@ class Attribution(Section):
     markov_max_states: Annotated[int, Field(ge=2)] = 100  # rarer touchpoints lumped as (other)
     example_journeys: Annotated[int, Field(ge=0)] = 8  # journeys in the attention heatmap
     seed: int = 0  # which converting journeys IG explains
+    # The report covers the journeys whose last event is within this of the moment the
+    # scores stand at, so a nightly report costs the same on day 900 as on day 90 (scores
+    # files older than that are not opened); null: every journey scored, whatever its age.
+    window: Duration | None = "90d"
+
+    @property
+    def window_delta(self) -> timedelta | None:
+        return None if self.window is None else parse_duration(self.window)
 
 
 class Schedule(Section):

@@ -13,6 +13,7 @@ that run before training use it without importing torch.
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
     from journeys.config import Config
 
 PART_FILE = "part-{:05d}.parquet"
+# Ingest's parts: finished journeys by their end day (written once, rewritten only when a
+# split cut moves across that day), and the journeys still open (rewritten every run).
+FINISHED_PART = "part-{day}-{run:05d}-{index:03d}.parquet"
+OPEN_PART = "part-open-{run:05d}.parquet"
+OPEN_PART_PREFIX = "part-open-"
 SPLITS = ("train", "val", "test")
 # A feature value that was not recorded, in every table and report: never merged with a
 # real value.
@@ -33,6 +39,7 @@ NO_SPLIT = "none"  # censored (and near-end converted) journeys: scored, never t
 UTC_US = pl.Datetime("us", "UTC")
 REPORT_FILE = "ingest_report.json"
 METADATA_KEY = "journeys.scoring"  # the scores' Parquet key-value metadata
+CHUNK_KEY = "journeys.chunk"  # ... and per file: its input rows, open journeys, as_of
 # Fewer conversions than this in val or test: the metrics are printed with a warning (their
 # intervals are wide: at 30 positives a ROC AUC of 0.8 is known to about +-0.08).
 MIN_EVALUATION_CONVERSIONS = 30
@@ -104,10 +111,25 @@ def is_journeys_dataset(path: str | Path) -> bool:
         return False  # unreadable: let the raw-log reader name the problem
 
 
-def split_sizes(folder: str | Path) -> dict[str, dict[str, int]]:
-    """{split: {"n": journeys, "positives": conversions}} over the labelled journeys."""
+def training_journeys(folder: str | Path, window: timedelta | None = None) -> pl.LazyFrame:
+    """The labelled journeys training reads; with `window` (`train.window`), those that
+    ended within it of the data's end, so a weekly retrain over nightly ingests reads a
+    bounded slice. The split stays the ingest's: the cuts are not moved into the window."""
+    journeys = labelled(scan_journeys(folder))
+    if window is None:
+        return journeys
+    report = Path(folder) / REPORT_FILE
+    end = json.loads(report.read_text()).get("data_end") if report.exists() else None
+    if end is None:
+        raise InputError(f"train.window needs the ingest report beside the journeys at {folder}")
+    return journeys.filter(pl.col("end_time") >= datetime.fromisoformat(end) - window)
+
+
+def split_sizes(folder: str | Path, window: timedelta | None = None) -> dict[str, dict[str, int]]:
+    """{split: {"n": journeys, "positives": conversions}} over the labelled journeys (within
+    `window` of the data's end, when given)."""
     counts = (
-        labelled(scan_journeys(folder))
+        training_journeys(folder, window)
         .group_by("split")
         .agg(n=pl.len(), positives=pl.col("label").cast(pl.Int64).sum())
         .collect()
@@ -131,7 +153,10 @@ def small_evaluation_warning(split: str, size: dict[str, int]) -> str | None:
 
 
 def check_trainable(
-    folder: str | Path, features: list[str], fractions: tuple[float, ...] | None = None
+    folder: str | Path,
+    features: list[str],
+    fractions: tuple[float, ...] | None = None,
+    window: timedelta | None = None,
 ) -> dict[str, dict[str, int]]:
     """Raise `InputError` unless the journeys dataset can be trained and evaluated on;
     return split sizes. Train, val and test each need both classes (a one-class val split
@@ -155,8 +180,10 @@ def check_trainable(
             f"vocabularies at {folder} are for features {vocabs.features}, "
             f"but data.features is {list(features)}: re-run `journeys ingest`"
         )
-    sizes = split_sizes(folder)
+    sizes = split_sizes(folder, window)
     unsplit = unsplit_problem(folder)
+    if window is not None:
+        unsplit = unsplit or f"a longer train.window (now {window}), or none"
     for split in SPLITS:
         if sizes[split]["n"] == 0:
             raise InputError(
@@ -239,8 +266,29 @@ def scores_schema(
     return pl.Schema(columns)
 
 
-def scan_scores(path: str | Path) -> pl.LazyFrame:
-    """Scores written by `journeys score` (a folder of part files or one Parquet file)."""
+def chunk_facts(part: Path) -> dict[str, Any] | None:
+    """What a scores file holds (`CHUNK_KEY`: its input rows, open journeys, latest event,
+    as_of), or None for a file written before scoring recorded it (or not ours)."""
+    try:
+        return json.loads(pl.read_parquet_metadata(part).get(CHUNK_KEY) or "null")
+    except (pl.exceptions.PolarsError, OSError, ValueError):
+        return None
+
+
+def scores_window_start(path: str | Path, window: timedelta | None) -> datetime | None:
+    """Where a report over the last `window` of scores starts: `window` before the latest
+    as_of the scores were made at (None: no window, or scores that do not say)."""
+    if window is None or not Path(path).is_dir():
+        return None
+    moments = [f["as_of"] for p in parquet_parts(path) if (f := chunk_facts(p)) is not None]
+    return datetime.fromisoformat(max(moments)) - window if moments else None
+
+
+def scan_scores(path: str | Path, since: datetime | None = None) -> pl.LazyFrame:
+    """Scores written by `journeys score` (a folder of part files or one Parquet file);
+    with `since`, only journeys whose last event is at or after it, and files whose
+    recorded latest event is earlier are not opened at all (a report's cost then stays
+    flat as the history grows)."""
     path = Path(path)
     if path.is_dir():
         parts = sorted(path.glob("*.parquet"))
@@ -250,6 +298,12 @@ def scan_scores(path: str | Path) -> pl.LazyFrame:
         raise InputError(f"scores not found at {path.absolute()}: run `journeys score` first")
     if not parts:
         raise InputError(f"no scores (*.parquet) in {path}: run `journeys score` first")
+    if since is not None:
+        facts = {part: chunk_facts(part) for part in parts}
+        recent = [
+            p for p, f in facts.items() if f is None or datetime.fromisoformat(f["latest"]) >= since
+        ]
+        parts = recent or parts[:1]  # an empty window still has the scores' schema
     try:
         scores = pl.scan_parquet(parts)
         schema = scores.collect_schema()
@@ -258,6 +312,8 @@ def scan_scores(path: str | Path) -> pl.LazyFrame:
     missing = [c for c in ("journey_id", "event_type", "attention") if c not in schema]
     if missing:
         raise InputError(f"scores at {path} lack column(s) {missing}")
+    if since is not None:
+        scores = scores.filter(pl.col("event_time").list.last() >= since)
     return scores
 
 

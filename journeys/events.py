@@ -38,6 +38,7 @@ REASONS = (
     "out_of_range",
     "bad_numeric",
     "bad_sequence",
+    "late",  # older than ingest.late_allowed before the last ingest's data end
 )
 
 SOURCE, ROW = "source_file", "row_number"
@@ -435,13 +436,14 @@ class ScannedEvents:
     features: list[str]
 
 
-def scan_events(raw: str | Path, data: Data) -> ScannedEvents:
-    """All rows of all sources, lazily: logical columns as text, `ts`, source, row, `reason`.
+def scan_events(raw: str | Path | list[Path], data: Data) -> ScannedEvents:
+    """All rows of all sources (a path, folder or glob, or a list of files), lazily: logical
+    columns as text, `ts`, source, row, `reason`.
 
     `reason` is null for a valid row, else the quarantine reason code. A default feature
     (`data.features` not set) that no file holds is left out, not an error.
     """
-    sources = resolve_sources(raw)
+    sources = raw if isinstance(raw, list) else resolve_sources(raw)
     names = read_columns(data)
     read = [_read_file(path, data, names) for path in sources]
     nowhere = set.intersection(*(set(absent) for _, absent, _ in read)) if read else set()

@@ -18,9 +18,11 @@ The work runs in three passes so memory stays bounded by one partition, not the 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,16 @@ from typing import Any
 import polars as pl
 
 from journeys.config import FLAG_TS, FROM_FLAG, SEQUENCE_COLUMN, Config, Data, with_features
-from journeys.datasets import NO_SPLIT, PART_FILE, REPORT_FILE, SPLITS, UTC_US, read_journeys
+from journeys.datasets import (
+    FINISHED_PART,
+    NO_SPLIT,
+    OPEN_PART,
+    OPEN_PART_PREFIX,
+    REPORT_FILE,
+    SPLITS,
+    UTC_US,
+    read_journeys,
+)
 from journeys.errors import InputError, first_line
 from journeys.events import (
     REASON,
@@ -37,17 +48,36 @@ from journeys.events import (
     ROW_HASH,
     SOURCE,
     TS,
+    CleanEvents,
     as_utc,
     clean_events,
     format_that_reads,
     read_columns,
+    resolve_sources,
     scan_events,
     user_bucket,
 )
-from journeys.storage import atomic_dir, scratch_dir, write_json
+from journeys.manifest import (
+    STATE_DIR,
+    Manifest,
+    config_key,
+    file_key,
+    fingerprint,
+    load_manifest,
+    new_sources,
+)
+from journeys.storage import (
+    atomic_dir,
+    atomic_path,
+    link_or_copy,
+    restore_interrupted_swap,
+    scratch_dir,
+    write_json,
+)
 from journeys.vocab import Vocabularies, Vocabulary
 
-QUARANTINE_FILE = "quarantine.parquet"
+QUARANTINE_FILE = "quarantine.parquet"  # the full build's; a nightly run adds its own:
+NIGHTLY_QUARANTINE_FILE = "quarantine-{:05d}.parquet"
 UNSPLIT = "_unsplit"  # a working column: the journey takes no split (see unsplit_expr)
 QUARANTINE_BUCKET = -1
 BUCKET = "_bucket"
@@ -72,13 +102,28 @@ def sort_events(events: pl.DataFrame, data: Data) -> pl.DataFrame:
 
 @dataclass(frozen=True)
 class Sessionised:
-    journeys: pl.DataFrame
-    orphan_conversions: int  # conversions with no event before them in their journey
-    dropped_after_conversion: int  # with journey.after_conversion = drop
+    journeys: pl.DataFrame  # with VISIT_END: when the journey's visit ended
+    open_from: pl.DataFrame  # user_id, OPEN_FROM: where each user's open visits start
+    orphans_settled: int  # conversions with no event before them, in closed visits
+    orphans_open: int  # ... in open visits (counted again by the next run)
+    dropped_after_settled: int  # with journey.after_conversion = drop, in closed visits
+    dropped_after_open: int
 
 
-def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
-    """Sessionise sorted events into labelled journeys (censoring and split come later)."""
+VISIT_END = "_visit_end"
+OPEN_FROM = "_open_from"
+
+
+def build_journeys(
+    events: pl.DataFrame, config: Config, horizon: datetime | None = None
+) -> Sessionised:
+    """Sessionise sorted events into labelled journeys (censoring and split come later).
+
+    A visit is a user's run of events with no gap longer than `journey.max_gap`; journeys
+    never cross one. A visit whose last event is at or after `horizon` is open: an event
+    still to come can change it (`closing_horizon`), so its events are kept for the next
+    nightly run and the counts made from it are provisional.
+    """
     features = config.data.event_columns
     max_gap = config.journey.max_gap_delta
     max_events = config.journey.max_events
@@ -90,8 +135,12 @@ def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
     tagged = events.with_columns(
         _conversion=pl.col("event_type").is_in(config.data.conversions),
         _visit=(new_user | long_gap).cum_sum(),
+    ).with_columns(pl.col(TS).max().over("_visit").alias(VISIT_END))
+    in_open_visit = pl.col(VISIT_END) >= horizon if horizon is not None else pl.lit(False)
+    open_from = (
+        tagged.filter(in_open_visit).group_by("user_id").agg(pl.col(TS).min().alias(OPEN_FROM))
     )
-    dropped_after = 0
+    dropped_after = dropped_after_open = 0
     if config.journey.after_conversion == "drop":
         # Drop what follows a conversion until the next long gap (e.g. a loan's back-office
         # steps after approval): such events belong to the converted journey's aftermath.
@@ -100,7 +149,8 @@ def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
         flagged = tagged.with_row_index(ROW_ORDER).with_columns(_after=after)
         # Rows of the log only: a conversion made from a flag column is not one.
         input_rows = ~pl.col(FROM_FLAG) if FROM_FLAG in events.columns else pl.lit(True)
-        dropped_after = flagged.filter(pl.col("_after") & input_rows).height
+        dropped = flagged.filter(pl.col("_after") & input_rows)
+        dropped_after, dropped_after_open = dropped.height, dropped.filter(in_open_visit).height
         tagged = flagged.filter(~pl.col("_after")).drop(ROW_ORDER, "_after")
     tagged = tagged.with_columns(
         _journey=(
@@ -119,6 +169,7 @@ def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
         pl.col("_conversion").last().cast(pl.Int8).alias("label"),
         *[pl.col(name).filter(in_sequence).tail(max_events) for name in sequence_columns],
         pl.col(TS).filter(in_sequence).tail(max_events).alias("event_time"),
+        pl.col(VISIT_END).first(),
     )
     empty = grouped.filter(pl.col("n_events_total") == 0)
     journeys = grouped.filter(pl.col("n_events_total") > 0).drop("_journey")
@@ -128,10 +179,24 @@ def build_journeys(events: pl.DataFrame, config: Config) -> Sessionised:
     )
     columns = [
         "journey_id", "user_id", "start_time", "end_time", "n_events", "n_events_total",
-        "label", "event_type", "event_time", *features,
+        "label", "event_type", "event_time", *features, VISIT_END,
     ]  # fmt: skip
+    orphans_open = empty.filter(in_open_visit).height
     # Already ordered by user, then start: the groups keep the sorted events' order.
-    return Sessionised(journeys.select(columns), empty.height, dropped_after)
+    return Sessionised(
+        journeys.select(columns), open_from,
+        empty.height - orphans_open, orphans_open,
+        dropped_after - dropped_after_open, dropped_after_open,
+    )  # fmt: skip
+
+
+def closing_horizon(data_end: datetime | None, config: Config) -> datetime | None:
+    """Visits whose last event is before this are closed for good: the next run takes no
+    event older than `data_end - ingest.late_allowed`, and one after that is more than
+    `journey.max_gap` from such a visit, so it starts a visit of its own."""
+    if data_end is None:
+        return None
+    return data_end - config.ingest.late_allowed_delta - config.journey.max_gap_delta
 
 
 @dataclass(frozen=True)
@@ -139,7 +204,7 @@ class Staged:
     """Pass 1's output: partition folders of valid rows, quarantined rows, counts."""
 
     folder: Path
-    partitions: list[Path]
+    partitions: dict[int, Path]  # user bucket -> its folder of valid rows
     quarantine: list[Path]
     rows_read: int
     sources: list[str]
@@ -148,6 +213,7 @@ class Staged:
     by_source: dict[str, dict[str, int]] = field(default_factory=dict)
     features: list[str] = field(default_factory=list)  # data.features the log has
     features_left_out: list[str] = field(default_factory=list)  # default ones it lacks
+    data_end: datetime | None = None  # the latest valid row's time
 
 
 # The passes' own files, read back once or twice and deleted: written for speed (lz4), not
@@ -157,10 +223,18 @@ SCRATCH_COMPRESSION = "lz4"
 OUTPUT_COMPRESSION, OUTPUT_COMPRESSION_LEVEL = "zstd", 1
 
 
-def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged:
-    """Pass 1: read every row once (streaming) into user-hash partitions or quarantine."""
-    scanned = scan_events(raw or config.paths.raw, config.data)
-    rows, sources = scanned.rows, scanned.sources
+def stage(
+    config: Config, folder: Path, sources: list[Path], late_before: datetime | None = None
+) -> Staged:
+    """Pass 1: read every row of `sources` once (streaming) into user-hash partitions or
+    quarantine; a valid row older than `late_before` is quarantined as `late`."""
+    scanned = scan_events(sources, config.data)
+    rows = scanned.rows
+    if late_before is not None:
+        late = pl.col(REASON).is_null() & (pl.col(TS) < late_before)
+        rows = rows.with_columns(
+            pl.when(late).then(pl.lit("late")).otherwise(pl.col(REASON)).alias(REASON)
+        )
     n = config.ingest.partitions
     key = pl.when(pl.col(REASON).is_null()).then(user_bucket(n)).otherwise(QUARANTINE_BUCKET)
     try:
@@ -170,15 +244,16 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
             compression=SCRATCH_COMPRESSION,
         )
     except (pl.exceptions.PolarsError, OSError) as err:
-        raise InputError(f"cannot read {raw or config.paths.raw}: {first_line(err)}") from None
+        raise InputError(f"cannot read {sources[0].parent}: {first_line(err)}") from None
     buckets = {int(p.name.split("=", 1)[1]): p for p in folder.glob(f"{BUCKET}=*")}
     quarantine_dir = buckets.pop(QUARANTINE_BUCKET, None)
     quarantine = sorted(quarantine_dir.glob("*.parquet")) if quarantine_dir else []
-    partitions = [buckets[k] for k in sorted(buckets)]
-    files = [f for p in partitions for f in p.glob("*.parquet")] + quarantine
+    valid = [f for p in buckets.values() for f in p.glob("*.parquet")]
+    files = valid + quarantine
     rows_read = pl.scan_parquet(files).select(pl.len()).collect().item() if files else 0
+    data_end = pl.scan_parquet(valid).select(pl.col(TS).max()).collect().item() if valid else None
     quarantined = dict.fromkeys(REASONS, 0)
-    by_source = {source: {"rows": 0, "quarantined": 0} for source in sources}
+    by_source = {str(source): {"rows": 0, "quarantined": 0} for source in sources}
     if files:
         per_source = (
             pl.scan_parquet(files)
@@ -193,61 +268,144 @@ def stage(config: Config, folder: Path, raw: str | Path | None = None) -> Staged
         quarantined |= dict(counts.iter_rows())  # type: ignore[arg-type]
     left_out = [name for name in config.data.features if name not in scanned.features]
     return Staged(
-        folder, partitions, quarantine, rows_read, sources, quarantined, by_source,
-        scanned.features, left_out,
+        folder, dict(sorted(buckets.items())), quarantine, rows_read, scanned.sources,
+        quarantined, by_source, scanned.features, left_out, data_end,
     )  # fmt: skip
 
 
 @dataclass(frozen=True)
-class PartitionResult:
-    """Pass 2's output for one partition: journeys (no censoring/split yet) and counts."""
+class Counts:
+    """Row counters that add up across partitions and runs (`ingest_report.json`)."""
 
-    path: Path
-    rows_valid: int
-    duplicates_dropped: int
-    dropped_by_config: int
-    dropped_after_conversion: int
-    conversions_without_journey: int
+    rows_valid: int = 0  # valid rows, before de-duplication and drops
+    duplicates_dropped: int = 0
+    dropped_by_config: int = 0  # drop_events, exclude_users and after a conversion
+    dropped_after_conversion: int = 0
+    conversions_without_journey: int = 0
+    conversions_by_source: dict[str, int] = field(default_factory=dict)
+
+    def __add__(self, other: Counts) -> Counts:
+        return self._combine(other, 1)
+
+    def __sub__(self, other: Counts) -> Counts:
+        return self._combine(other, -1)
+
+    def _combine(self, other: Counts, sign: int) -> Counts:
+        sources = {**self.conversions_by_source}
+        for source, count in other.conversions_by_source.items():
+            sources[source] = sources.get(source, 0) + sign * count
+        numbers = {
+            name: getattr(self, name) + sign * getattr(other, name)
+            for name in self.__dataclass_fields__
+            if name != "conversions_by_source"
+        }
+        kept = {k: v for k, v in sorted(sources.items()) if v}  # sorted: the manifest's bytes
+        return Counts(**numbers, conversions_by_source=kept)
+
+    @property
+    def conversions(self) -> int:
+        return sum(self.conversions_by_source.values())
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """Pass 2's output for one partition: its journeys, split into finished ones (their
+    visit closed) and open ones, the rows it keeps for the next run, and counts."""
+
+    finished: Path
+    open: Path
+    open_rows: Path  # valid rows of open visits, for the next nightly run
+    users_file: Path  # every user seen in this partition, in any run
+    settled: Counts  # of rows in closed visits: final
+    provisional: Counts  # of rows in open visits: counted again next run
     users: int
     data_start: datetime | None
-    data_end: datetime | None
-    conversions: int = 0  # conversion events among the valid rows
     event_map_matched: frozenset[str] = frozenset()  # data.event_map keys found in the rows
-    conversions_by_source: dict[str, int] = field(default_factory=dict)
     top_user: tuple[str, int] | None = None  # the user with the most events, and how many
     events: int = 0  # events kept (after de-duplication and drops)
 
 
-def build_partition(partition: Path | None, config: Config, out: Path) -> PartitionResult:
-    """Pass 2: one partition's valid rows -> journeys written to `out` (None: no rows)."""
-    if partition is None:
-        rows = pl.DataFrame(schema=staged_schema(config))
-    else:
-        rows = pl.read_parquet(sorted(partition.glob("*.parquet")))
-    clean = clean_events(rows.drop(REASON), config.data)
-    conversions = config.data.conversions
-    built = build_journeys(sort_events(clean.events, config.data), config)
-    built.journeys.write_parquet(out, compression=SCRATCH_COMPRESSION)
-    converting = clean.events.filter(pl.col("event_type").is_in(conversions))
-    by_source = converting.group_by(SOURCE).len()
+def conversions_by_source(events: pl.DataFrame, data: Data) -> dict[str, int]:
+    converting = events.filter(pl.col("event_type").is_in(data.conversions))
+    return dict(converting.group_by(SOURCE).len().sort(SOURCE).iter_rows())  # type: ignore[arg-type]
+
+
+def cleaned_counts(rows: pl.DataFrame, data: Data) -> tuple[CleanEvents, Counts]:
+    clean = clean_events(rows.drop(REASON, strict=False), data)
+    counts = Counts(
+        rows_valid=clean.rows_valid,
+        duplicates_dropped=clean.duplicates_dropped,
+        dropped_by_config=clean.dropped_by_config,
+        conversions_by_source=conversions_by_source(clean.events, data),
+    )
+    return clean, counts
+
+
+def read_or_empty(paths: list[Path], schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    frames = [pl.read_parquet(p) if p.suffix == ".parquet" else pl.read_ipc(p) for p in paths]
+    frames = [frame.select(pl.col(k).cast(v) for k, v in schema.items()) for frame in frames]
+    return pl.concat(frames, how="vertical") if frames else pl.DataFrame(schema=schema)
+
+
+def build_partition(
+    rows: pl.DataFrame,
+    users_seen: pl.DataFrame,
+    config: Config,
+    horizon: datetime | None,
+    out: dict[str, Path],
+) -> PartitionResult:
+    """Pass 2: one partition's rows (those kept open by the last run, then the new ones)
+    -> journeys, finished and open, written to `out`."""
+    data = config.data
+    clean, total = cleaned_counts(rows, data)
+    built = build_journeys(sort_events(clean.events, data), config, horizon)
+    total = total + Counts(
+        dropped_by_config=built.dropped_after_settled + built.dropped_after_open,
+        dropped_after_conversion=built.dropped_after_settled + built.dropped_after_open,
+        conversions_without_journey=built.orphans_settled + built.orphans_open,
+    )
+    # A row stays for the next run from its user's first open visit on (a twin of it can
+    # only come within that bound); the others are settled, and so are their counts.
+    keep_from = pl.min_horizontal(pl.col(OPEN_FROM), pl.lit(horizon, UTC_US))
+    marked = rows.with_columns(pl.col("user_id").str.strip_chars().alias("_user")).join(
+        built.open_from.rename({"user_id": "_user"}), on="_user", how="left"
+    )
+    stays = (pl.col(TS) >= keep_from).fill_null(False) if horizon is not None else pl.lit(False)
+    marked = marked.with_columns(stays.alias("_stays")).drop("_user", OPEN_FROM)
+    _, settled = cleaned_counts(marked.filter(~pl.col("_stays")).drop("_stays"), data)
+    settled = settled + Counts(
+        dropped_by_config=built.dropped_after_settled,
+        dropped_after_conversion=built.dropped_after_settled,
+        conversions_without_journey=built.orphans_settled,
+    )
+    open_rows = marked.filter(pl.col("_stays")).drop("_stays", REASON, strict=False)
+    open_rows.write_ipc(out["open_rows"], compression="lz4")
+    closed = pl.col(VISIT_END) < horizon if horizon is not None else pl.lit(True)
+    journeys = built.journeys
+    journeys.filter(closed).drop(VISIT_END).write_parquet(
+        out["finished"], compression=SCRATCH_COMPRESSION
+    )
+    journeys.filter(~closed).drop(VISIT_END).write_parquet(
+        out["open"], compression=SCRATCH_COMPRESSION
+    )
+    seen = clean.events.select(pl.col("user_id").unique())
+    users = pl.concat([users_seen, seen.join(users_seen, on="user_id", how="anti").sort("user_id")])
+    users.write_ipc(out["users"], compression="lz4")
     # The log's own rows (not the conversions a flag column adds) for the skew warning.
     logged = clean.events
     if FROM_FLAG in logged.columns:
         logged = logged.filter(~pl.col(FROM_FLAG))
     per_user = logged.group_by("user_id").len().sort(["len", "user_id"], descending=[True, False])
     return PartitionResult(
-        path=out,
-        rows_valid=clean.rows_valid,
-        duplicates_dropped=clean.duplicates_dropped,
-        dropped_by_config=clean.dropped_by_config + built.dropped_after_conversion,
-        dropped_after_conversion=built.dropped_after_conversion,
-        conversions_without_journey=built.orphan_conversions,
-        users=clean.events.get_column("user_id").n_unique(),
+        finished=out["finished"],
+        open=out["open"],
+        open_rows=out["open_rows"],
+        users_file=out["users"],
+        settled=settled,
+        provisional=total - settled,
+        users=users.height,
         data_start=clean.events.get_column(TS).min(),
-        data_end=clean.data_end,
-        conversions=converting.height,
         event_map_matched=clean.event_map_matched,
-        conversions_by_source=dict(by_source.iter_rows()),  # type: ignore[arg-type]
         top_user=per_user.row(0) if per_user.height else None,  # type: ignore[arg-type]
         events=logged.height,
     )
@@ -294,23 +452,30 @@ def unsplit_expr(
     return censored_expr(data_end, max_gap)
 
 
-def split_expr(ends: pl.Series, fractions: tuple[float, float, float]) -> pl.Expr:
-    """Split by journey end time: the earliest ends train, the latest test; `_unsplit` -> none.
+Cuts = tuple[datetime | None, datetime | None]  # where val starts, where test starts
 
-    `ends` are the end times of the journeys that take a split. Cuts are placed at end-time
-    values, so journeys ending at the same instant share a split and every train journey
-    ends strictly before every val journey (and val before test).
-    """
+
+def split_cuts(ends: pl.Series, fractions: tuple[float, float, float]) -> Cuts:
+    """The end times at which val and test start, from the end times of the journeys that
+    take a split: the earliest ends train, the latest test. None: no such split."""
     ends = ends.sort()
     n = ends.len()
     if n == 0:
-        return pl.lit(NO_SPLIT)
+        return None, None
     val_cut = ends[min(int(n * fractions[0]), n - 1)]
     test_cut = ends[min(int(n * (fractions[0] + fractions[1])), n - 1)]
     if fractions[2] == 0:
         test_cut = None
     if fractions[1] == 0:
         val_cut = test_cut
+    return val_cut, test_cut
+
+
+def split_by_cuts(cuts: Cuts) -> pl.Expr:
+    """Split by journey end time; `_unsplit` -> none. Cuts are end-time values, so journeys
+    ending at the same instant share a split and every train journey ends strictly before
+    every val journey (and val before test)."""
+    val_cut, test_cut = cuts
     before_val = pl.lit(True) if val_cut is None else pl.col("end_time") < val_cut
     before_test = pl.lit(True) if test_cut is None else pl.col("end_time") < test_cut
     return (
@@ -324,24 +489,47 @@ def split_expr(ends: pl.Series, fractions: tuple[float, float, float]) -> pl.Exp
     )
 
 
-def count_tokens(journeys: pl.LazyFrame, columns: list[str]) -> dict[str, pl.DataFrame]:
-    """Token counts per sequence column (`token`, `count`)."""
-    return {
-        name: journeys.select(pl.col(name).explode().alias("token"))
+def moved_ranges(old: Cuts, new: Cuts) -> list[tuple[datetime | None, datetime | None]]:
+    """End-time ranges [low, high) whose journeys change split when the cuts move from
+    `old` to `new` (None: beyond every end)."""
+    ranges = []
+    for before, after in zip(old, new, strict=True):
+        if before == after:
+            continue
+        if before is None or after is None:
+            ranges.append((before if after is None else after, None))
+        else:
+            ranges.append((min(before, after), max(before, after)))
+    return ranges
+
+
+def count_tokens(journeys: pl.LazyFrame, columns: list[str]) -> pl.DataFrame:
+    """Token counts per sequence column: `column`, `token`, `count`."""
+    counted = [
+        journeys.select(pl.col(name).explode().alias("token"))
         .group_by("token")
         .len(name="count")
-        .collect(engine="streaming")
+        .with_columns(pl.lit(name).alias("column"))
+        .select("column", "token", pl.col("count").cast(pl.Int64))
         for name in columns
-    }
+    ]
+    return pl.concat(pl.collect_all(counted, engine="streaming"), how="vertical")
 
 
 def build_vocabularies(journeys: pl.LazyFrame, config: Config) -> Vocabularies:
     """Token vocabularies from the train split's sequences only (nothing from val/test)."""
     train = journeys.filter(pl.col("split") == "train")
-    counts = count_tokens(train, ["event_type", *config.data.features])
+    return vocabularies_from(count_tokens(train, ["event_type", *config.data.features]), config)
+
+
+def vocabularies_from(counts: pl.DataFrame, config: Config) -> Vocabularies:
+    """Token vocabularies from the train split's token counts (nothing from val/test)."""
     by_column = {
-        name: Vocabulary.from_counts(table, config.vocab.min_count)
-        for name, table in counts.items()
+        name: Vocabulary.from_counts(
+            counts.filter(pl.col("column") == name).select("token", "count"),
+            config.vocab.min_count,
+        )
+        for name in ["event_type", *config.data.features]
     }
     return Vocabularies(by_column=by_column, min_count=config.vocab.min_count)
 
@@ -359,7 +547,78 @@ class IngestResult:
 
     @property
     def quarantine(self) -> pl.DataFrame:
-        return pl.read_parquet(self.quarantine_folder / QUARANTINE_FILE)
+        return read_quarantine(self.quarantine_folder)
+
+
+def read_quarantine(folder: Path) -> pl.DataFrame:
+    """Every quarantined row: the full build's file and one per nightly run since."""
+    return pl.read_parquet(sorted(folder.glob("quarantine*.parquet")))
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The ingest a nightly run builds on: its folder and manifest."""
+
+    folder: Path
+    manifest: Manifest
+
+    @property
+    def data_end(self) -> datetime | None:
+        end = self.manifest.data_end
+        return datetime.fromisoformat(end) if end else None
+
+    @property
+    def cuts(self) -> Cuts:
+        val, test = (datetime.fromisoformat(c) if c else None for c in self.manifest.cuts)
+        return val, test
+
+    def finished_parts(self) -> dict[str, dict[str, Any]]:
+        return {n: s for n, s in self.manifest.parts.items() if s["kind"] == "finished"}
+
+    def open_part(self) -> Path | None:
+        names = [n for n, s in self.manifest.parts.items() if s["kind"] == "open"]
+        return self.folder / names[0] if names else None
+
+    def state(self, name: str) -> Path | None:
+        path = self.folder / STATE_DIR / name
+        return path if path.exists() else None
+
+
+OPEN_ROWS_FILE = "open-rows-{:05d}.arrow"  # in STATE_DIR: one per user bucket
+USERS_FILE = "users-{:05d}.arrow"
+TRAIN_TOKENS_FILE = "train-tokens.arrow"
+DAY = "_day"
+
+
+def part_summaries(files: list[Path]) -> dict[str, dict[str, Any]]:
+    """Per part file: journeys, labels, split counts and end-time range (one query)."""
+    if not files:
+        return {}
+    frame = (
+        pl.scan_parquet(files, include_file_paths="_file")
+        .group_by("_file")
+        .agg(
+            journeys=pl.len(),
+            converted=pl.col("label").cast(pl.Int64).sum(),
+            censored=pl.col("censored").sum(),
+            converted_near_end=((pl.col("split") == NO_SPLIT) & (pl.col("label") == 1)).sum(),
+            events=pl.col("n_events_total").cast(pl.Int64).sum(),
+            kept=pl.col("n_events").cast(pl.Int64).sum(),
+            min_end=pl.col("end_time").min(),
+            max_end=pl.col("end_time").max(),
+            **{split: (pl.col("split") == split).sum() for split in (*SPLITS, NO_SPLIT)},
+        )
+        .collect()
+    )
+    summaries = {}
+    for row in frame.sort("_file").iter_rows(named=True):
+        name = Path(row.pop("_file")).name
+        row["by_split"] = {split: row.pop(split) for split in (*SPLITS, NO_SPLIT)}
+        row["min_end"], row["max_end"] = str(row["min_end"]), str(row["max_end"])
+        row["kind"] = "open" if name.startswith(OPEN_PART_PREFIX) else "finished"
+        row["day"] = name.split("-")[1]  # the end day of a finished part's journeys
+        summaries[name] = row
+    return summaries
 
 
 def finish(
@@ -368,90 +627,278 @@ def finish(
     parts: list[PartitionResult],
     journeys_folder: Path,
     quarantine_folder: Path,
+    previous: Previous | None,
+    mode: dict[str, Any],
 ) -> IngestResult:
     """Pass 3: censoring, split and vocabularies from global facts; write everything.
 
     Censoring counts from `data.observed_until` (the moment up to which conversions were
-    recorded), by default the last event.
+    recorded), by default the last event. Only open journeys can be censored (a finished
+    one ended long before the data's end), so finished ones are written once, into files
+    by their end day, and rewritten only when a split cut moves across that day.
     """
-    data_end = max((p.data_end for p in parts if p.data_end), default=None)
+    run = previous.manifest.run + 1 if previous else 0
+    data_end = max_or_none(previous.data_end if previous else None, staged.data_end)
     observed_until = observation_end(config, data_end)
     max_gap = config.journey.max_gap_delta
-    flags = [
+    open_flags = [
         censored_expr(observed_until, max_gap).alias("censored"),
         unsplit_expr(observed_until, max_gap, config.split.exclude_recent_conversions).alias(
             UNSPLIT
         ),
     ]
-    staged_journeys = pl.scan_parquet([p.path for p in parts]).with_columns(flags)
-    require_conversions(config, parts, staged_journeys)
-    warn_unmatched_event_map(config, parts)
-    ends = staged_journeys.filter(~pl.col(UNSPLIT)).select("end_time").collect().to_series()
-    split = split_expr(ends, config.split.fractions)
-    labelled = staged_journeys.with_columns(split.alias("split"))
-    vocabularies = build_vocabularies(labelled, config)
-    summary = (
-        labelled.group_by("split")
-        .agg(
-            pl.len().alias("journeys"),
-            pl.col("label").sum().alias("converted"),
-            pl.col("censored").sum().alias("censored"),
-            (pl.col(UNSPLIT) & (pl.col("label") == 1)).sum().alias("converted_near_end"),
-            pl.col("n_events_total").sum().alias("events"),
-            pl.col("n_events").sum().alias("kept"),
-        )
-        .collect()
-    )
-    report = make_report(staged, parts, summary, data_end, observed_until)
-    report["max_gap"] = config.journey.max_gap
-    unsplit = report["journeys_by_split"][NO_SPLIT]
-    short = report["journeys"] and unsplit / report["journeys"] > config.ingest.warn_unsplit_share
-    # A short export, apart: `train` refuses an empty split with it (datasets.check_trainable).
-    report["short_export"] = unsplit_warning(report) if short else None
-    left_out = staged.features_left_out
-    report["warnings"] = [
-        *([report["short_export"]] if short else []),
-        *report_warnings(config, report, parts),
-        *(
-            [f"the default features {left_out} are not in the log: ingested without them "
-             "(data.features names the ones to use)"]
-            if left_out else []
-        ),
-    ]  # fmt: skip
+    finished_flags = [pl.lit(False).alias("censored"), pl.lit(False).alias(UNSPLIT)]
+    new_finished = pl.scan_parquet([p.finished for p in parts]).with_columns(finished_flags)
+    opened = pl.scan_parquet([p.open for p in parts]).with_columns(open_flags)
+    settled = Counts(**previous.manifest.settled) if previous else Counts()
+    settled = sum((p.settled for p in parts), settled)
+    provisional = sum((p.provisional for p in parts), Counts())
+    total = settled + provisional
+    require_conversions(config, total, pl.concat([new_finished, opened]))
+    matched = frozenset(previous.manifest.event_map_matched if previous else ())
+    warn_unmatched_event_map(config, matched.union(*(p.event_map_matched for p in parts)))
 
-    columns = [*parts_columns(config)]
-    write_quarantine(config, staged, quarantine_folder)
-    with atomic_dir(journeys_folder) as folder:
-        # One query for every part: Polars runs the sinks side by side (10M events: 3.1 s
-        # against 4.5 s one after the other).
-        sinks = [
-            pl.scan_parquet(part.path)
-            .with_columns(flags)
-            .with_columns(split.alias("split"))
-            .select(columns)
-            .sink_parquet(
-                folder / PART_FILE.format(index),
-                compression=OUTPUT_COMPRESSION,
-                compression_level=OUTPUT_COMPRESSION_LEVEL,
-                lazy=True,
-            )
-            for index, part in enumerate(parts)
+    old_finished = previous.finished_parts() if previous else {}
+    old_files = [previous.folder / name for name in old_finished] if previous else []
+    # The only history a nightly run reads: the finished journeys' end times (8 bytes a
+    # journey), where the split's cuts fall.
+    ends = pl.concat(
+        [
+            *([pl.scan_parquet(old_files).select("end_time")] if old_files else []),
+            new_finished.select("end_time"),
+            opened.filter(~pl.col(UNSPLIT)).select("end_time"),
         ]
-        pl.collect_all(sinks, engine="streaming")
+    )
+    cuts = split_cuts(ends.collect().to_series(), config.split.fractions)
+    # Finished files whose journeys change split as the cuts move are rewritten, with every
+    # other file of their day: each day stays one file once a cut has passed it.
+    moved = moved_ranges(previous.cuts, cuts) if previous else []
+    days = {s["day"] for s in old_finished.values() if overlaps(s, moved)}
+    rewritten = [name for name, s in old_finished.items() if s["day"] in days]
+    kept = [name for name in old_finished if name not in rewritten]
+    columns = parts_columns(config)
+    split = split_by_cuts(cuts)
+    to_write = pl.concat(
+        [
+            new_finished,
+            *(
+                [
+                    pl.scan_parquet([previous.folder / n for n in rewritten])
+                    .with_columns(finished_flags)
+                    .drop("split")
+                ]
+                if previous and rewritten
+                else []
+            ),
+        ],
+        how="diagonal_relaxed",
+    ).with_columns(split.alias("split"), pl.col("end_time").dt.strftime("%Y%m%d").alias(DAY))
+
+    with atomic_dir(journeys_folder) as folder:
+        for name in kept:
+            link_or_copy(previous.folder / name, folder / name)  # type: ignore[union-attr]
+        written = write_by_day(to_write.select(*columns, DAY), folder, run)
+        open_path = folder / OPEN_PART.format(run=run)
+        opened.with_columns(split.alias("split")).select(columns).sink_parquet(
+            open_path, compression=OUTPUT_COMPRESSION, compression_level=OUTPUT_COMPRESSION_LEVEL
+        )
+        summaries = {name: old_finished[name] for name in kept}
+        summaries |= part_summaries([*written, open_path])
+        summaries.setdefault(open_path.name, empty_summary())
+        summaries = dict(sorted(summaries.items()))
+        # The train split's token counts, kept up to date: less what the replaced files
+        # held, plus what the new ones hold (a cut move changes only the rewritten days).
+        token_columns = ["event_type", *config.data.features]
+        removed = [previous.folder / n for n in rewritten] if previous else []
+        old_open = previous.open_part() if previous else None
+        if old_open is not None:
+            removed.append(old_open)
+        tokens = train_tokens([*written, open_path], token_columns)
+        old_tokens = previous.state(TRAIN_TOKENS_FILE) if previous else None
+        if old_tokens is not None:
+            tokens = pl.concat(
+                [
+                    pl.read_ipc(old_tokens),
+                    train_tokens(removed, token_columns).with_columns(-pl.col("count")),
+                    tokens,
+                ]
+            )
+        tokens = (
+            tokens.group_by("column", "token").agg(pl.col("count").sum())
+            .filter(pl.col("count") > 0).sort("column", "token")
+        )  # fmt: skip
+        vocabularies = vocabularies_from(tokens, config)
+        state = folder / STATE_DIR
+        state.mkdir()
+        tokens.write_ipc(state / TRAIN_TOKENS_FILE)
+        for index, part in enumerate(parts):
+            os.replace(part.open_rows, state / OPEN_ROWS_FILE.format(index))
+            os.replace(part.users_file, state / USERS_FILE.format(index))
+
+        previous_start = previous.manifest.data_start if previous else None
+        previous_start = datetime.fromisoformat(previous_start) if previous_start else None
+        manifest = Manifest(
+            config_key=mode["config_key"],
+            run=run,
+            data_start=iso(min_or_none(previous_start, *(p.data_start for p in parts))),
+            data_end=iso(data_end),
+            features=list(config.data.features),
+            cuts=[iso(cut) for cut in cuts],
+            files={**(previous.manifest.files if previous else {}), **mode["files"]},
+            parts=summaries,
+            settled=asdict(settled),
+            provisional=asdict(provisional),
+            quarantined=add_counts(
+                previous.manifest.quarantined if previous else {}, staged.quarantined
+            ),
+            event_map_matched=sorted(matched.union(*(p.event_map_matched for p in parts))),
+        )
+        report = make_report(manifest, total, parts, observed_until)
+        report["max_gap"] = config.journey.max_gap
+        report["ingest"] = run_summary(
+            mode, staged, total - (previous_total(previous)), previous, opened, new_finished
+        )
+        add_warnings(config, report, staged, parts)
+        write_quarantine(config, staged, quarantine_folder, run)
         vocabularies.save(folder)
         write_json(report, folder / REPORT_FILE)
+        manifest.save(folder)
     return IngestResult(report, journeys_folder, quarantine_folder, vocabularies)
 
 
-def write_quarantine(config: Config, staged: Staged, quarantine_folder: Path) -> None:
-    """The quarantined rows with their original values, source, row number and reason."""
-    with atomic_dir(quarantine_folder) as folder:
-        schema = staged_schema(config)
-        quarantine = (
-            pl.scan_parquet(staged.quarantine) if staged.quarantine else pl.LazyFrame(schema=schema)
-        )
-        kept = [name for name in schema if name not in (TS, ROW_HASH, FLAG_TS)]
-        quarantine.select(*kept).sink_parquet(folder / QUARANTINE_FILE)
+def max_or_none(*moments: datetime | None) -> datetime | None:
+    return max((m for m in moments if m is not None), default=None)
+
+
+def min_or_none(*moments: datetime | None) -> datetime | None:
+    return min((m for m in moments if m is not None), default=None)
+
+
+def iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def add_counts(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in sorted({**a, **b})}
+
+
+def overlaps(
+    summary: dict[str, Any], ranges: list[tuple[datetime | None, datetime | None]]
+) -> bool:
+    """Does a part's end-time range meet any of `ranges` ([low, high), None: unbounded)?"""
+    low_end = datetime.fromisoformat(summary["min_end"])
+    high_end = datetime.fromisoformat(summary["max_end"])
+    return any(
+        (low is None or high_end >= low) and (high is None or low_end < high)
+        for low, high in ranges
+    )
+
+
+def empty_summary() -> dict[str, Any]:
+    return {
+        "journeys": 0, "converted": 0, "censored": 0, "converted_near_end": 0, "events": 0,
+        "kept": 0, "min_end": None, "max_end": None, "kind": "open",
+        "by_split": dict.fromkeys((*SPLITS, NO_SPLIT), 0),
+    }  # fmt: skip
+
+
+def write_by_day(journeys: pl.LazyFrame, folder: Path, run: int) -> list[Path]:
+    """Finished journeys into `part-<end day>-<run>-<n>.parquet` files (one streaming pass)."""
+    scratch = folder / f".{DAY}.tmp"
+    journeys.sink_parquet(
+        pl.PartitionBy(scratch, key=DAY, include_key=False),
+        mkdir=True,
+        compression=OUTPUT_COMPRESSION,
+        compression_level=OUTPUT_COMPRESSION_LEVEL,
+    )
+    written = []
+    for day_folder in sorted(scratch.glob(f"{DAY}=*")):
+        day = day_folder.name.split("=", 1)[1]
+        for index, file in enumerate(sorted(day_folder.glob("*.parquet"))):
+            target = folder / FINISHED_PART.format(day=day, run=run, index=index)
+            os.replace(file, target)
+            written.append(target)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return written
+
+
+def train_tokens(files: list[Path], columns: list[str]) -> pl.DataFrame:
+    """Token counts of the train split of `files` (`column`, `token`, `count`)."""
+    if not files:
+        return pl.DataFrame(schema={"column": pl.String, "token": pl.String, "count": pl.Int64})
+    train = pl.scan_parquet(files).filter(pl.col("split") == "train")
+    return count_tokens(train, columns)
+
+
+def previous_total(previous: Previous | None) -> Counts:
+    if previous is None:
+        return Counts()
+    return Counts(**previous.manifest.settled) + Counts(**previous.manifest.provisional)
+
+
+def run_summary(
+    mode: dict[str, Any],
+    staged: Staged,
+    counts: Counts,
+    previous: Previous | None,
+    opened: pl.LazyFrame,
+    new_finished: pl.LazyFrame,
+) -> dict[str, Any]:
+    """What this run did: its mode, the files and rows it read (their accounting holds on
+    its own), and the journeys it added, extended (more events) and closed."""
+    now = pl.concat(
+        [new_finished.select("journey_id", "n_events_total"),
+         opened.select("journey_id", "n_events_total")]
+    ).collect()  # fmt: skip
+    old_open = previous.open_part() if previous else None
+    before = (
+        pl.read_parquet(old_open, columns=["journey_id", "n_events_total"])
+        if old_open is not None
+        else pl.DataFrame(schema={"journey_id": pl.String, "n_events_total": pl.Int32})
+    )
+    matched = now.join(before, on="journey_id", how="inner", suffix="_before")
+    closed = new_finished.select("journey_id").collect().join(before, on="journey_id")
+    quarantined = sum(staged.quarantined.values())
+    rows_valid = counts.rows_valid - counts.duplicates_dropped - counts.dropped_by_config
+    summary = {
+        "mode": mode["mode"],
+        "why": mode["why"],
+        "run": mode["run"],
+        "new_files": [str(source) for source in staged.sources],
+        "rows_read": staged.rows_read,
+        "rows_valid": rows_valid,
+        "quarantined_total": quarantined,
+        "late": staged.quarantined.get("late", 0),
+        "duplicates_dropped": counts.duplicates_dropped,
+        "dropped_by_config": counts.dropped_by_config,
+        "journeys_added": now.height - matched.height,
+        "journeys_extended": matched.filter(
+            pl.col("n_events_total") != pl.col("n_events_total_before")
+        ).height,
+        "journeys_closed": closed.height,
+        "journeys_open": opened.select(pl.len()).collect().item(),
+    }
+    accounted = rows_valid + quarantined + counts.duplicates_dropped + counts.dropped_by_config
+    if staged.rows_read != accounted:
+        raise AssertionError(f"row accounting broken for this run: {summary}")  # a bug
+    return summary
+
+
+def write_quarantine(config: Config, staged: Staged, quarantine_folder: Path, run: int) -> None:
+    """The quarantined rows with their original values, source, row number and reason: the
+    full build's replace the folder, a nightly run's are added beside them (its own file,
+    named by the run, so a run killed and run again writes it once)."""
+    schema = staged_schema(config)
+    quarantine = (
+        pl.scan_parquet(staged.quarantine) if staged.quarantine else pl.LazyFrame(schema=schema)
+    )
+    kept = quarantine.select(name for name in schema if name not in (TS, ROW_HASH, FLAG_TS))
+    if run == 0:
+        with atomic_dir(quarantine_folder) as folder:
+            kept.sink_parquet(folder / QUARANTINE_FILE)
+    elif staged.quarantine:
+        with atomic_path(quarantine_folder / NIGHTLY_QUARANTINE_FILE.format(run)) as tmp:
+            kept.sink_parquet(tmp)
 
 
 # ----------------------------------------------------------------------------- guards
@@ -471,7 +918,9 @@ FIXES = {
 }
 
 
-def check_quarantine(config: Config, staged: Staged, quarantine_folder: Path) -> None:
+def check_quarantine(
+    config: Config, staged: Staged, quarantine_folder: Path, previous: Previous | None
+) -> None:
     """Stop (InputError) when more than `ingest.max_quarantined_share` of the rows read
     were quarantined: the configuration, not the data, is almost surely wrong. The
     quarantine is written first so the user can look; the journeys stay as they were."""
@@ -479,7 +928,9 @@ def check_quarantine(config: Config, staged: Staged, quarantine_folder: Path) ->
     if total == 0 or total / staged.rows_read <= config.ingest.max_quarantined_share:
         return
     share = total / staged.rows_read
-    write_quarantine(config, staged, quarantine_folder)
+    write_quarantine(
+        config, staged, quarantine_folder, previous.manifest.run + 1 if previous else 0
+    )
     reason = max(staged.quarantined, key=staged.quarantined.__getitem__)
     parsed = (
         pl.scan_parquet(staged.quarantine)
@@ -526,9 +977,8 @@ def timestamp_fix(config: Config, staged: Staged) -> str | None:
     return f"a value such as {value!r} reads with {setting}{now}; check data.columns.timestamp too"
 
 
-def warn_unmatched_event_map(config: Config, parts: list[PartitionResult]) -> None:
+def warn_unmatched_event_map(config: Config, seen: frozenset[str]) -> None:
     """A `data.event_map` key that matches no event type is probably misspelt: warn."""
-    seen = frozenset().union(*(p.event_map_matched for p in parts))
     unmatched = sorted(set(config.data.event_map) - seen)
     if unmatched:
         print(
@@ -537,14 +987,10 @@ def warn_unmatched_event_map(config: Config, parts: list[PartitionResult]) -> No
         )
 
 
-def require_conversions(
-    config: Config, parts: list[PartitionResult], journeys: pl.LazyFrame
-) -> None:
+def require_conversions(config: Config, total: Counts, journeys: pl.LazyFrame) -> None:
     """Stop (InputError) when no row is a conversion: every label would be 0, and only
     training, much later, would complain (`ingest.require_conversions: false` to score)."""
-    if not config.ingest.require_conversions or any(p.conversions for p in parts):
-        return
-    if not any(p.rows_valid for p in parts):
+    if not config.ingest.require_conversions or total.conversions or not total.rows_valid:
         return
     top = (
         journeys.select(pl.col("event_type").explode())
@@ -583,49 +1029,49 @@ def parts_columns(config: Config) -> list[str]:
 
 
 def make_report(
-    staged: Staged,
+    manifest: Manifest,
+    total: Counts,
     parts: list[PartitionResult],
-    summary: pl.DataFrame,
-    data_end: datetime | None,
     observed_until: datetime | None,
 ) -> dict[str, Any]:
-    """The ingest report; checks the row-accounting invariant before anything is written."""
-    quarantined = staged.quarantined
-    totals = {name: sum(getattr(p, name) for p in parts) for name in (
-        "rows_valid", "duplicates_dropped", "dropped_by_config", "dropped_after_conversion",
-        "conversions_without_journey", "users",
-    )}  # fmt: skip
-    by_split = dict.fromkeys([*SPLITS, NO_SPLIT], 0)
-    for row in summary.iter_rows(named=True):
-        by_split[row["split"]] = row["journeys"]
-    rows_valid = totals["rows_valid"] - totals["duplicates_dropped"] - totals["dropped_by_config"]
+    """The ingest report over every run so far (sums of the manifest's part summaries and
+    counters); checks the row-accounting invariant before anything is written."""
+    summaries = list(manifest.parts.values())
+    by_split = {s: sum(p["by_split"][s] for p in summaries) for s in (*SPLITS, NO_SPLIT)}
+    quarantined = {reason: manifest.quarantined.get(reason, 0) for reason in REASONS}
+    conversions: dict[str, int] = {}  # rows name their file as it was given: key it
+    for source, count in total.conversions_by_source.items():
+        conversions[file_key(source)] = conversions.get(file_key(source), 0) + count
     report = {
-        "rows_read": staged.rows_read,
-        "rows_valid": rows_valid,
+        "rows_read": sum(f["rows"] for f in manifest.files.values()),
+        "rows_valid": total.rows_valid - total.duplicates_dropped - total.dropped_by_config,
         "quarantined": quarantined,
         "quarantined_total": sum(quarantined.values()),
-        "duplicates_dropped": totals["duplicates_dropped"],
-        "dropped_by_config": totals["dropped_by_config"],
-        "dropped_after_conversion": totals["dropped_after_conversion"],
-        "journeys": int(summary.get_column("journeys").sum()),
-        "journeys_converted": int(summary.get_column("converted").sum()),
-        "journeys_censored": int(summary.get_column("censored").sum()),
+        "duplicates_dropped": total.duplicates_dropped,
+        "dropped_by_config": total.dropped_by_config,
+        "dropped_after_conversion": total.dropped_after_conversion,
+        "journeys": sum(p["journeys"] for p in summaries),
+        "journeys_converted": sum(p["converted"] for p in summaries),
+        "journeys_censored": sum(p["censored"] for p in summaries),
         "journeys_by_split": by_split,
-        # converted, but as recent as the censored ones: split none (split_expr's docstring)
-        "journeys_converted_near_end": int(summary.get_column("converted_near_end").sum()),
-        "conversions_without_journey": totals["conversions_without_journey"],
-        "events_in_journeys": int(summary.get_column("events").sum()),
-        "events_kept": int(summary.get_column("kept").sum()),
-        "users": totals["users"],
-        "data_start": min((p.data_start for p in parts if p.data_start), default=None),
-        "data_end": data_end,
+        # converted, but as recent as the censored ones: split none (unsplit_expr's docstring)
+        "journeys_converted_near_end": sum(p["converted_near_end"] for p in summaries),
+        "conversions_without_journey": total.conversions_without_journey,
+        "events_in_journeys": sum(p["events"] for p in summaries),
+        "events_kept": sum(p["kept"] for p in summaries),
+        "users": sum(p.users for p in parts),
+        "data_start": manifest.data_start,
+        "data_end": manifest.data_end,
         "observed_until": observed_until,  # conversions seen until: where censoring counts from
         "partitions": len(parts),
-        "sources": staged.sources,
+        "sources": list(manifest.files),
         "by_source": {
-            source: counts
-            | {"conversions": sum(p.conversions_by_source.get(source, 0) for p in parts)}
-            for source, counts in staged.by_source.items()
+            source: {
+                "rows": facts["rows"],
+                "quarantined": facts["quarantined"],
+                "conversions": conversions.get(source, 0),
+            }
+            for source, facts in manifest.files.items()
         },
     }
     accounted = (
@@ -639,13 +1085,40 @@ def make_report(
     return json.loads(json.dumps(report, default=str))
 
 
+def add_warnings(
+    config: Config, report: dict[str, Any], staged: Staged, parts: list[PartitionResult]
+) -> None:
+    """The report's `short_export` and `warnings` (each with its figures and its fix)."""
+    unsplit = report["journeys_by_split"][NO_SPLIT]
+    short = report["journeys"] and unsplit / report["journeys"] > config.ingest.warn_unsplit_share
+    # A short export, apart: `train` refuses an empty split with it (datasets.check_trainable).
+    report["short_export"] = unsplit_warning(report) if short else None
+    left_out = staged.features_left_out
+    late = staged.quarantined.get("late", 0)
+    report["warnings"] = [
+        *([report["short_export"]] if short else []),
+        *report_warnings(config, report, parts),
+        *(
+            [f"the default features {left_out} are not in the log: ingested without them "
+             "(data.features names the ones to use)"]
+            if left_out else []
+        ),
+        *(
+            [f"{late:,} rows are older than ingest.late_allowed ({config.ingest.late_allowed}) "
+             "before the data already ingested: quarantined as late; `journeys ingest --full` "
+             "takes them in"]
+            if late else []
+        ),
+    ]  # fmt: skip
+
+
 def report_warnings(
     config: Config, report: dict[str, Any], parts: list[PartitionResult]
 ) -> list[str]:
     """What looks wrong in a log though no row is, each with its figures and its fix (the
     short export apart: `unsplit_warning`)."""
     settings, warnings = config.ingest, []
-    conversions = sum(p.conversions for p in parts)
+    conversions = sum(source["conversions"] for source in report["by_source"].values())
     orphans = report["conversions_without_journey"]
     if conversions and orphans / conversions > settings.warn_orphan_conversion_share:
         warnings.append(
@@ -712,28 +1185,61 @@ def unsplit_warning(report: dict[str, Any]) -> str:
     )
 
 
-PartitionBuilder = Callable[[Path | None], PartitionResult]
-# Runs the builder over the partitions, results in the partitions' order.
-MapPartitions = Callable[[PartitionBuilder, list[Path | None]], list[PartitionResult]]
+PartitionBuilder = Callable[[int], PartitionResult]
+# Runs the builder over the user buckets, results in the buckets' order.
+MapPartitions = Callable[[PartitionBuilder, list[int]], list[PartitionResult]]
 
 
 @dataclass(frozen=True)
 class BuildPartition:
-    """Pass 2 for one partition, its output named by the partition's position.
+    """Pass 2 for one user bucket: the rows the last run kept open and the new ones.
 
     A plain picklable object, so a task runner can ship it to worker processes.
     """
 
     config: Config
-    outputs: dict[Path | None, Path]
+    staged: dict[int, Path]  # bucket -> its new rows
+    state: Path | None  # the previous ingest's state folder (open rows, users seen)
+    scratch: Path
+    horizon: datetime | None
 
-    def __call__(self, partition: Path | None) -> PartitionResult:
-        return build_partition(partition, self.config, self.outputs[partition])
+    def __call__(self, bucket: int) -> PartitionResult:
+        schema = {k: v for k, v in staged_schema(self.config).items() if k != REASON}
+        kept = []
+        users_seen = pl.DataFrame(schema={"user_id": pl.String})
+        if self.state is not None:
+            kept = [p for p in [self.state / OPEN_ROWS_FILE.format(bucket)] if p.exists()]
+            users = self.state / USERS_FILE.format(bucket)
+            if users.exists():
+                users_seen = pl.read_ipc(users)
+        new = sorted(self.staged[bucket].glob("*.parquet")) if bucket in self.staged else []
+        rows = read_or_empty([*kept, *new], schema)
+        out = {
+            name: self.scratch / f"{name}-{bucket:05d}.{suffix}"
+            for name, suffix in (
+                ("finished", "parquet"), ("open", "parquet"), ("open_rows", "arrow"),
+                ("users", "arrow"),
+            )
+        }  # fmt: skip
+        return build_partition(rows, users_seen, self.config, self.horizon, out)
 
 
-def map_in_order(build: PartitionBuilder, partitions: list[Path | None]) -> list[PartitionResult]:
+def map_in_order(build: PartitionBuilder, partitions: list[int]) -> list[PartitionResult]:
     """The default `map_partitions`: one partition after the other, in this process."""
     return [build(partition) for partition in partitions]
+
+
+def previous_ingest(config: Config, folder: Path, full: bool) -> tuple[Previous | None, str]:
+    """The earlier ingest a nightly run builds on, or None and why the run is a full one."""
+    restore_interrupted_swap(folder)
+    manifest = load_manifest(folder)
+    if full:
+        return None, "--full"
+    if manifest is None:
+        return None, "no earlier ingest in this folder"
+    if manifest.config_key != config_key(config):
+        return None, "the configuration changed since the last ingest"
+    return Previous(folder, manifest), "new files since the last ingest"
 
 
 def run_ingest(
@@ -742,33 +1248,84 @@ def run_ingest(
     journeys_folder: str | Path | None = None,
     quarantine_folder: str | Path | None = None,
     map_partitions: MapPartitions | None = None,
+    full: bool = False,
 ) -> IngestResult:
     """`journeys ingest` as a function: all three passes, outputs written atomically.
 
-    `map_partitions(build, partitions)` runs pass 2 (default `map_in_order`); the flow
-    maps `build` over the partitions as tasks on its task runner. The result does not
-    depend on how, as long as the results come back in the partitions' order.
+    Incremental when the journeys folder holds an earlier ingest with the same
+    configuration (its manifest): only raw files not read before are read, the journeys
+    their events can touch are rebuilt, finished ones stay as they are; the result equals
+    a full rebuild on the same files. `full` rebuilds from nothing.
+
+    `map_partitions(build, buckets)` runs pass 2 (default `map_in_order`); the flow maps
+    `build` over the buckets as tasks on its task runner. The result does not depend on
+    how, as long as the results come back in the buckets' order.
     """
     journeys_folder = Path(journeys_folder or config.paths.journeys)
     quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
+    key = config_key(config)
+    previous, why = previous_ingest(config, journeys_folder, full)
+    sources = resolve_sources(raw or config.paths.raw)
+    if previous is not None:
+        config = with_features(config, previous.manifest.features)
+        sources = new_sources(previous.manifest, sources)
+        if not sources:
+            return up_to_date(previous, quarantine_folder)
+    late_before = None
+    if previous is not None and previous.data_end is not None:
+        late_before = previous.data_end - config.ingest.late_allowed_delta
     with scratch_dir(journeys_folder.parent, "ingest") as scratch:
-        staged = stage(config, scratch / "staged", raw)
+        staged = stage(config, scratch / "staged", sources, late_before)
         if staged.features != config.data.features:  # default features the log lacks
+            if previous is not None:
+                raise InputError(
+                    f"the new files lack the features {staged.features_left_out} that the "
+                    "journeys were built with: set data.features, or run `journeys ingest "
+                    "--full`"
+                )
             config = with_features(config, staged.features)
-        check_quarantine(config, staged, quarantine_folder)
+        check_quarantine(config, staged, quarantine_folder, previous)
         built = scratch / "built"
         built.mkdir()
-        partitions: list[Path | None] = list(staged.partitions) or [None]
-        outputs = {p: built / PART_FILE.format(i) for i, p in enumerate(partitions)}
-        parts = (map_partitions or map_in_order)(BuildPartition(config, outputs), partitions)
-        if len(parts) != len(partitions):
-            raise AssertionError(f"{len(parts)} results for {len(partitions)} partitions")
-        return finish(config, staged, parts, journeys_folder, quarantine_folder)
+        data_end = max_or_none(previous.data_end if previous else None, staged.data_end)
+        build = BuildPartition(
+            config, staged.partitions,
+            previous.folder / STATE_DIR if previous else None,
+            built, closing_horizon(data_end, config),
+        )  # fmt: skip
+        buckets = list(range(config.ingest.partitions))
+        parts = (map_partitions or map_in_order)(build, buckets)
+        if len(parts) != len(buckets):
+            raise AssertionError(f"{len(parts)} results for {len(buckets)} partitions")
+        files = {
+            file_key(source): fingerprint(Path(source))
+            | {k: staged.by_source[source][k] for k in ("rows", "quarantined")}
+            for source in staged.sources
+        }
+        mode = {
+            "mode": "incremental" if previous else "full",
+            "why": why,
+            "run": previous.manifest.run + 1 if previous else 0,
+            "config_key": key,
+            "files": files,
+        }
+        return finish(config, staged, parts, journeys_folder, quarantine_folder, previous, mode)
 
 
-def ingest(config: Config) -> dict[str, Any]:
+def up_to_date(previous: Previous, quarantine_folder: Path) -> IngestResult:
+    """No new raw file: the journeys stand as they are (nothing is read or written)."""
+    report = json.loads((previous.folder / REPORT_FILE).read_text())
+    report["ingest"] = {
+        "mode": "incremental", "why": "no new raw file: nothing to do",
+        "run": previous.manifest.run, "new_files": [], "rows_read": 0,
+    }  # fmt: skip
+    vocabularies = Vocabularies.load(previous.folder)
+    return IngestResult(report, previous.folder, quarantine_folder, vocabularies)
+
+
+def ingest(config: Config, full: bool = False) -> dict[str, Any]:
     """`journeys ingest`: returns the report (also written beside the journeys)."""
-    return run_ingest(config).report
+    return run_ingest(config, full=full).report
 
 
 def print_report(report: dict[str, Any]) -> None:

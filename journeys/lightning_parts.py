@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAUROC
 
 from journeys.config import Model
-from journeys.datasets import SPLITS, labelled, scan_journeys
+from journeys.datasets import SPLITS, training_journeys
 from journeys.encoding import (
     DEFAULT_BUCKET_BATCHES,
     EncodedJourneys,
@@ -102,9 +103,11 @@ class JourneyDataModule(L.LightningDataModule):
         group_by_length: bool = True,
         bucket_batches: int = DEFAULT_BUCKET_BATCHES,
         negative_fraction: float = 1.0,
+        window: timedelta | None = None,
     ) -> None:
         super().__init__()
         self.journeys_dir = Path(journeys_dir)
+        self.window = window  # train.window: the journeys that ended within it
         self._vocabs = vocabs
         self.max_len = max_len
         self.model_settings = model_settings or Model()
@@ -142,6 +145,7 @@ class JourneyDataModule(L.LightningDataModule):
             num_workers=config.train.num_workers,
             seed=config.train.seed,
             negative_fraction=negative_fraction,
+            window=config.train.window_delta,
         )
 
     @property
@@ -160,7 +164,9 @@ class JourneyDataModule(L.LightningDataModule):
         if self.splits:
             return
         frame = (
-            labelled(scan_journeys(self.journeys_dir)).select("split", *self._columns()).collect()
+            training_journeys(self.journeys_dir, self.window)
+            .select("split", *self._columns())
+            .collect()
         )
         # Numbers are scaled with the train split's statistics only, stored with the model.
         self.encoder = JourneyEncoder.fit(

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -66,10 +67,13 @@ import polars as pl
 
 from journeys.config import redact_uri
 from journeys.datasets import (
+    CHUNK_KEY,
+    OPEN_PART_PREFIX,
     OPTIONAL_COLUMNS,
     PART_FILE,
     REPORT_FILE,
     UTC_US,
+    chunk_facts,
     count_rows,
     input_schema,
     is_journeys_dataset,
@@ -82,7 +86,7 @@ from journeys.datasets import (
 )
 from journeys.errors import ConfigError, InputError, first_line
 from journeys.in_flight import cut_at, in_flight_probability, mark_open
-from journeys.storage import atomic_dir, scratch_dir
+from journeys.storage import atomic_dir, link_or_copy, scratch_dir
 from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, mlflow_run, tracking_ready
 
 if TYPE_CHECKING:
@@ -178,12 +182,15 @@ def _libc() -> Any:
 @dataclass(frozen=True)
 class Scored:
     """What `score_dataset` wrote: its rows, out of the input's journeys (the others had
-    not started by `as_of`), how many of them are open, and the moment they stand at."""
+    not started by `as_of`), how many of them are open, and the moment they stand at;
+    how many rows an earlier run's scores gave unchanged, or why none."""
 
     rows: int
     journeys: int
     open: int
     as_of: datetime
+    kept: int = 0
+    why_not_kept: str | None = None
 
 
 @dataclass
@@ -204,10 +211,13 @@ class ScoreResult:
     as_of: datetime | None = None  # the moment the journeys were scored as of
     open: int = 0  # journeys still open then
     not_started: int = 0  # input journeys that had no event by `as_of`: not scored
+    kept: int = 0  # finished journeys whose earlier scores stand (nothing changed)
+    why_not_kept: str | None = None
 
     @property
     def journeys_per_second(self) -> float:
-        return self.rows / self.seconds if self.seconds > 0 else float("nan")
+        """Of the journeys scored now (not those whose earlier scores were kept)."""
+        return (self.rows - self.kept) / self.seconds if self.seconds > 0 else float("nan")
 
 
 @dataclass(frozen=True)
@@ -239,6 +249,8 @@ class ScoreChunk:
     attention: AttentionMode | None = "pooled"
     batch_size: int = 1024
     torch_threads: int | None = None
+    names: tuple[str, ...] = ()  # each chunk's file name (`chunk_name`)
+    held: tuple[list, ...] = ()  # each chunk's `segments`
 
     def __call__(self, index: int, chunk: tuple[int, int]) -> ChunkScored:
         from journeys.inference import pick_device
@@ -247,6 +259,8 @@ class ScoreChunk:
         trained, device = self.trained, pick_device(self.torch_threads)
         trained.model.to(device)
         read = read_rows(self.parts, self.columns, *chunk)
+        last = pl.col("end_time") if "end_time" in read.columns else pl.col("event_time").list.max()
+        latest = read.select(last.max()).item()
         frame = mark_open(
             cut_at(read, self.as_of, trained.encoder.event_columns), self.as_of, trained.max_gap
         )
@@ -261,8 +275,17 @@ class ScoreChunk:
             pl.lit(trained.model_version, pl.String).alias("model_version"),
             pl.lit(self.scored_at, UTC_US).alias("scored_at"),
         ).select(pl.col(name).cast(dtype) for name, dtype in self.schema.items())
-        scored.write_parquet(self.staging / PART_FILE.format(index), metadata=self.parquet_metadata)
         done = ChunkScored(read.height, scored.height, int(scored.get_column("open").sum()))
+        facts = {
+            "segments": self.held[index], "rows": scored.height, "open": done.open,
+            "latest": str(latest or self.as_of), "as_of": str(self.as_of),
+            "model_uri": trained.model_uri, "model_version": trained.model_version,
+            "attention": self.attention,
+        }  # fmt: skip
+        scored.write_parquet(
+            self.staging / self.names[index],
+            metadata={**self.parquet_metadata, CHUNK_KEY: json.dumps(facts)},
+        )
         del scored, frame, read
         release_freed_memory()
         return done
@@ -286,9 +309,12 @@ def score_dataset(
     progress: bool = True,
     as_of: datetime | None = None,
     map_chunks: MapChunks | None = None,
+    keep_earlier: bool = True,
 ) -> Scored:
     """Score every journey of a journeys folder, as it stood at `as_of` (default: the end
-    of the data), into Parquet parts under `out` (atomic).
+    of the data), into Parquet parts under `out` (atomic). With `keep_earlier`, the files
+    of an earlier scoring in `out` that still hold the right scores stay (`earlier_scores`)
+    and only the rest of the input is scored.
 
     The input is cut into chunks of `chunk_journeys`, each scored on its own
     (`ScoreChunk`); `map_chunks` spreads them over workers (default: one after the other,
@@ -316,12 +342,31 @@ def score_dataset(
     metadata = dict(metadata or {})
     scored_at = datetime.fromisoformat(metadata.get("scored_at") or _now()).astimezone(UTC)
 
-    total = count_rows(parts)
-    chunks = chunk_bounds(total, chunk_journeys)
+    keys = [part_key(part) for part in parts]
+    rows_of = dict(zip(keys, (count_rows([part]) for part in parts), strict=True))
+    facts = {
+        "model_uri": trained.model_uri,
+        "model_version": trained.model_version,
+        "attention": attention,
+    }  # fmt: skip
+    earlier = (
+        earlier_scores(Path(out), rows_of, facts, as_of, schema)
+        if keep_earlier
+        else Earlier(why_not="asked to score everything")
+    )
+    todo = [(part, key) for part, key in zip(parts, keys, strict=True) if key not in earlier.parts]
+    todo_rows = [rows_of[key] for _, key in todo]
+    total = sum(todo_rows)
+    alone = [part.name.startswith(OPEN_PART_PREFIX) for part, _ in todo]
+    chunks = pack_parts(todo_rows, chunk_journeys, alone)
+    held = tuple(segments(chunk, [key for _, key in todo], todo_rows) for chunk in chunks)
+    names = tuple(chunk_name(h, facts, as_of) for h in held)
     with atomic_dir(out) as staging:
+        for path in earlier.files:
+            link_or_copy(path, staging / path.name)
         score = ScoreChunk(
-            trained, parts, staging, columns, schema, as_of, scored_at,
-            scores_metadata(metadata), attention, batch_size,
+            trained, [part for part, _ in todo], staging, columns, schema, as_of, scored_at,
+            scores_metadata(metadata), attention, batch_size, names=names, held=held,
         )  # fmt: skip
         if map_chunks is None:
             with _progress(total, progress) as advance:
@@ -331,17 +376,131 @@ def score_dataset(
                     advance(results[-1].journeys)
         else:
             results = map_chunks(score, chunks)
-        if not chunks:
+        if not chunks and not earlier.files:
             # no rows at all: still a readable file with every column
             pl.DataFrame(schema=schema).write_parquet(
                 staging / PART_FILE.format(0), metadata=score.parquet_metadata
             )
     return Scored(
-        sum(r.rows for r in results),
-        sum(r.journeys for r in results),
+        sum(r.rows for r in results) + earlier.rows,
+        sum(r.journeys for r in results) + earlier.rows,
         sum(r.open for r in results),
         as_of,
+        earlier.rows,
+        earlier.why_not,
     )
+
+
+# ----------------------------------------------------------------------------- what changed
+# A nightly run re-scores only what changed. Each scores file records which rows of which
+# input part files it holds (a part is named by its name, size and modification time:
+# ingest never rewrites a part in place), and the moment it was scored as of. A file is
+# kept when its parts are unchanged, the model and the output columns are the same, none
+# of its journeys was open, every event was in by its as_of and the new as_of is later:
+# then a finished journey's score is what scoring afresh gives (only `as_of`,
+# `quiet_seconds` and `scored_at` still tell when it was scored).
+
+
+def part_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """The earlier scores a run keeps, and why it keeps none when it does not."""
+
+    files: list[Path] = field(default_factory=list)
+    parts: frozenset[str] = frozenset()  # input parts they cover whole
+    rows: int = 0  # journeys they hold
+    why_not: str | None = None
+
+
+def earlier_scores(
+    out: Path, part_rows: dict[str, int], facts: dict[str, Any], as_of: datetime,
+    schema: pl.Schema,
+) -> Earlier:  # fmt: skip
+    """The files of an earlier scoring of `out` that still hold the right scores."""
+    if not out.is_dir():
+        return Earlier(why_not="no earlier scores")
+    candidates, models = {}, set()
+    for path in parquet_parts(out):
+        chunk = chunk_facts(path)
+        if chunk is None:  # not a scores file of ours: scored afresh, and replaced
+            continue
+        model = (chunk["model_uri"], chunk["model_version"])
+        models.add(model)
+        same = all(chunk[name] == value for name, value in facts.items())
+        earlier_as_of = datetime.fromisoformat(chunk["as_of"])
+        finished = chunk["open"] == 0 and datetime.fromisoformat(chunk["latest"]) <= earlier_as_of
+        if same and finished and as_of >= earlier_as_of and pl.read_parquet_schema(path) == schema:
+            candidates[path] = chunk
+    # Keep a file only if every part it draws on is unchanged and covered whole by the
+    # files kept; dropping one can uncover a part of another, so repeat until stable.
+    while True:
+        covered: dict[str, int] = {}
+        for chunk in candidates.values():
+            for key, _, rows in chunk["segments"]:
+                covered[key] = covered.get(key, 0) + rows
+        whole = {key for key, rows in covered.items() if part_rows.get(key) == rows}
+        dropped = [
+            p for p, c in candidates.items() if any(s[0] not in whole for s in c["segments"])
+        ]
+        if not dropped:
+            break
+        for path in dropped:
+            del candidates[path]
+    why = None
+    if not candidates:
+        now = f"{facts['model_uri']} v{facts['model_version']}"
+        why = (
+            f"the model changed (now {now}): every journey re-scored"
+            if models and (facts["model_uri"], facts["model_version"]) not in models
+            else "nothing finished to keep"
+        )
+    rows = sum(c["rows"] for c in candidates.values())
+    return Earlier(sorted(candidates), frozenset(whole), rows, why)
+
+
+def pack_parts(part_rows: list[int], most: int, alone: list[bool]) -> list[tuple[int, int]]:
+    """`(first row, rows)` chunks over the parts read back to back, each holding whole
+    parts (up to `most` rows) or, for a part larger than `most`, equal pieces of it: a
+    changed part then costs its own chunk, not its neighbours'. A part marked `alone`
+    (ingest's open journeys, re-scored every run) is never packed with others."""
+    chunks, first, size = [], 0, 0
+    for rows, single in zip(part_rows, alone, strict=True):
+        if rows > most or single:
+            if size:
+                chunks.append((first, size))
+                first, size = first + size, 0
+            chunks += [(first + a, n) for a, n in chunk_bounds(rows, most)]
+            first += rows
+        elif size + rows > most:
+            chunks.append((first, size))
+            first, size = first + size, rows
+        else:
+            size += rows
+    if size:
+        chunks.append((first, size))
+    return chunks
+
+
+def segments(chunk: tuple[int, int], keys: list[str], part_rows: list[int]) -> list[list]:
+    """The `[part, first row in it, rows]` a chunk of the parts read back to back holds."""
+    start, stop, seen, held = chunk[0], chunk[0] + chunk[1], 0, []
+    for key, rows in zip(keys, part_rows, strict=True):
+        low, high = max(start, seen), min(stop, seen + rows)
+        if low < high:
+            held.append([key, low - seen, high - low])
+        seen += rows
+    return held
+
+
+def chunk_name(held: list[list], facts: dict[str, Any], as_of: datetime) -> str:
+    """A chunk's file name from what it holds and how it was scored: the same work gives
+    the same name, and a new chunk never takes the name of one kept."""
+    text = json.dumps([held, facts.get("model_uri"), facts.get("model_version"), str(as_of)])
+    return f"part-{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}.parquet"
 
 
 def chunk_bounds(total: int, most: int) -> list[tuple[int, int]]:
@@ -591,6 +750,8 @@ def score_command(
             as_of=scored.as_of,
             open=scored.open,
             not_started=scored.journeys - scored.rows,
+            kept=scored.kept,
+            why_not_kept=scored.why_not_kept,
         )
         _print_summary(result)
         if result.open and trained.quiet_survival is None:
@@ -617,6 +778,13 @@ def _print_summary(result: ScoreResult) -> None:
         f"{result.seconds:.1f} s ({result.journeys_per_second:,.0f}/s, attention "
         f"{result.attention}) -> {result.out}"
     )
+    if result.kept:
+        print(
+            f"  {result.kept:,} finished journeys kept their earlier scores (nothing in them "
+            f"changed); {result.rows - result.kept:,} scored now"
+        )
+    elif result.why_not_kept and result.why_not_kept.startswith("the model changed"):
+        print(f"  {result.why_not_kept}")
     if result.as_of is not None:
         print(
             f"  as of {result.as_of:%Y-%m-%d %H:%M} UTC: {result.open:,} journeys open (scored "
@@ -662,6 +830,7 @@ def log_scoring(run: TrackedRun, result: ScoreResult) -> None:
                 "journeys_per_second": result.journeys_per_second,
                 "open_journeys": result.open,
                 "journeys_not_started": result.not_started,
+                "journeys_kept": result.kept,
             }
         )
         if result.ingest_report:

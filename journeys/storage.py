@@ -160,3 +160,22 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def restore_interrupted_swap(target: str | Path) -> bool:
+    """Put back the old folder that `atomic_dir` had renamed aside when a kill stopped it
+    between its two renames (no folder at `target`). Returns whether it did."""
+    target = Path(target)
+    aside = target.with_name(f".{target.name}.old")
+    if target.exists() or not aside.is_dir():
+        return False
+    os.replace(aside, target)
+    return True
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """A file kept from the previous folder: a hard link (no bytes copied), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)

@@ -51,9 +51,8 @@ from journeys.datasets import (
     check_trainable,
     dataset_features,
     evaluation_warnings,
-    labelled,
-    scan_journeys,
     small_evaluation_warning,
+    training_journeys,
 )
 from journeys.encoding import EncodedJourneys, fraction_of_negatives, model_config_from
 from journeys.errors import JourneysError, first_line
@@ -115,7 +114,10 @@ def train_command(
     """
     config = dataset_features(config)
     if sizes is None:
-        sizes = check_trainable(config.paths.journeys, config.data.features, config.split.fractions)
+        sizes = check_trainable(
+            config.paths.journeys, config.data.features, config.split.fractions,
+            config.train.window_delta,
+        )  # fmt: skip
     for warning in evaluation_warnings(sizes):
         print(warning, file=sys.stderr)
     # Per-file progress bars for a handful of small artifacts are noise in the log.
@@ -149,7 +151,7 @@ def train_command(
             raise
         best = load_best(fitted, checkpoint_dir)
         # The labelled journeys, read once for what follows (the baselines, the choice).
-        journeys = labelled(scan_journeys(config.paths.journeys)).collect()
+        journeys = training_journeys(config.paths.journeys, config.train.window_delta).collect()
         # 3. evaluate
         print(f"evaluating {best} on val and test, logging the model")
         with tempfile.TemporaryDirectory(prefix="journeys-eval-") as tmp:

@@ -230,7 +230,9 @@ def cli_ingest(raw: Path, tmp: Path, *extra: str) -> int:
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def test_epoch_seconds_read_as_ms_stop_with_the_fix_and_keep_the_old_journeys(

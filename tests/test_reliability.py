@@ -28,6 +28,7 @@ import polars as pl
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from polars.testing import assert_frame_equal
 
 from journeys.cli import main
 from journeys.pipeline_lock import HELD_ENV, LOCK_FILE, hold_lock
@@ -175,7 +176,7 @@ def captured() -> Iterator[tuple[io.StringIO, io.StringIO]]:
 def ingest_in_process(raw: Path, folder: Path, *extra: str) -> tuple[int, str]:
     """`journeys.cli.main(["ingest", ...])`; (exit code, stderr)."""
     with captured() as (_, err):
-        code = main(["ingest", *path_args(folder, raw), *extra])
+        code = main(["ingest", "--full", *path_args(folder, raw), *extra])
     return code, err.getvalue()
 
 
@@ -207,7 +208,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def reference_ingest(logs, tmp_path_factory) -> dict:
     """An uninterrupted ingest of the `new` log: its output and wall time."""
     folder = tmp_path_factory.mktemp("reference")
-    code, _, err, seconds = run_cli(["ingest", *path_args(folder, logs["new"])])
+    code, _, err, seconds = run_cli(["ingest", "--full", *path_args(folder, logs["new"])])
     assert code == 0, err
     return {"snapshot": snapshot(folder / "journeys"), "seconds": seconds, "folder": folder}
 
@@ -248,7 +249,7 @@ def test_kill_9_during_ingest_leaves_previous_output_or_none_and_rerun_matches(
         shutil.rmtree(tmp_path / "journeys", ignore_errors=True)
         shutil.copytree(saved, tmp_path / "journeys")
         delay = fraction * reference_ingest["seconds"]
-        finished = kill_after(["ingest", *path_args(tmp_path, logs["new"])], delay)
+        finished = kill_after(["ingest", "--full", *path_args(tmp_path, logs["new"])], delay)
         seen = snapshot(tmp_path / "journeys")
         if seen is None:
             state = "none"
@@ -259,10 +260,92 @@ def test_kill_9_during_ingest_leaves_previous_output_or_none_and_rerun_matches(
     assert all(state != "PARTIAL" for *_, state in outcomes), outcomes
     print(f"kill outcomes {outcomes}; temporary names left by the kills: {sorted(litter)}")
 
-    code, _, err, _ = run_cli(["ingest", *path_args(tmp_path, logs["new"])])
+    code, _, err, _ = run_cli(["ingest", "--full", *path_args(tmp_path, logs["new"])])
     assert code == 0, err
     assert snapshot(tmp_path / "journeys") == new
     assert hidden_litter(tmp_path) == [LOCK_FILE]  # the rerun swept the killed runs' litter
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_nightly_ingest_and_its_scoring_then_the_next_run_completes(
+    tiny_model, tmp_path: Path
+) -> None:
+    """SIGKILL a nightly `journeys ingest` (one new day file) and then the `journeys score`
+    after it, at several points: the journeys (manifest and state included) and the scores
+    are the previous night's or the new ones, never a mix, and the next runs give exactly
+    what uninterrupted ones give: no row counted twice, no journey lost."""
+    from test_nightly import event_log, write_days
+
+    env = tiny_model["env"]
+    files = write_days(event_log(seed=21, users=3000, days=30), tmp_path / "days")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for file in files[:-1]:
+        shutil.copy2(file, raw / file.name)
+    features = sets(
+        "data.features=[channel,device]", "vocab.min_count=1", "score.chunk_journeys=500"
+    )
+    ingest = ["ingest", *path_args(tmp_path, raw), *features]
+    score = ["score", *path_args(tmp_path, raw), *features, "--model", tiny_model["uri"]]
+    for args in (ingest, score):  # last night
+        code, _, err, _ = run_cli(args, env)
+        assert code == 0, err
+    shutil.copy2(files[-1], raw / files[-1].name)  # tonight's file
+    saved = tmp_path / "saved"
+    for name in ("journeys", "quarantine", "scores"):
+        shutil.copytree(tmp_path / name, saved / name)
+    previous = {name: snapshot(tmp_path / name) for name in ("journeys", "scores")}
+
+    def restore() -> None:
+        for name in ("journeys", "quarantine", "scores"):
+            shutil.rmtree(tmp_path / name, ignore_errors=True)
+            shutil.copytree(saved / name, tmp_path / name)
+
+    # Uninterrupted, for reference: the journeys and scores tonight's runs must end with.
+    code, _, err, ingest_seconds = run_cli(ingest, env)
+    assert code == 0, err
+    new_journeys = snapshot(tmp_path / "journeys")
+    assert (
+        json.loads((tmp_path / "journeys" / "ingest_report.json").read_text())["ingest"]["mode"]
+        == "incremental"
+    )
+    code, _, err, score_seconds = run_cli(score, env)
+    assert code == 0, err
+    new_scores = scores_frame(tmp_path / "scores").drop("as_of", "quiet_seconds")
+
+    outcomes = []
+    for fraction in KILL_POINTS:
+        restore()
+        kill_after(ingest, fraction * ingest_seconds, env)
+        seen = snapshot(tmp_path / "journeys")
+        state = "none" if seen is None else (
+            "previous" if seen == previous["journeys"] else "new" if seen == new_journeys
+            else "PARTIAL"
+        )  # fmt: skip
+        outcomes.append(("ingest", fraction, state))
+        code, _, err, _ = run_cli(ingest, env)  # the next run completes the night
+        assert code == 0, err
+        assert snapshot(tmp_path / "journeys") == new_journeys
+    for fraction in SCORE_KILL_POINTS:
+        restore()
+        assert run_cli(ingest, env)[0] == 0
+        kill_after(score, fraction * score_seconds, env)
+        seen = snapshot(tmp_path / "scores")
+        state = "none" if seen is None else "previous" if seen == previous["scores"] else "new"
+        if state == "new":  # complete: every journey once, with tonight's scores
+            assert_frame_equal(
+                scores_frame(tmp_path / "scores").drop("as_of", "quiet_seconds"), new_scores,
+                abs_tol=1e-6,
+            )  # fmt: skip
+        outcomes.append(("score", fraction, state))
+        code, _, err, _ = run_cli(score, env)
+        assert code == 0, err
+        assert_frame_equal(
+            scores_frame(tmp_path / "scores").drop("as_of", "quiet_seconds"), new_scores,
+            abs_tol=1e-6,
+        )  # fmt: skip
+    assert all(state != "PARTIAL" for *_, state in outcomes), outcomes
+    print(f"nightly kill outcomes {outcomes}")
 
 
 @pytest.mark.slow
@@ -668,7 +751,7 @@ def test_two_ingests_at_once_on_the_same_paths_never_mix_outputs(
     """Two `journeys ingest` processes started together on the same paths (3 rounds):
     each finishes or is refused with one line, and the journeys folder equals one
     uninterrupted run's output, with no half-swapped folder left beside it."""
-    args = ["ingest", *path_args(tmp_path, logs["new"])]
+    args = ["ingest", "--full", *path_args(tmp_path, logs["new"])]
     for _ in range(3):
         processes = [
             subprocess.Popen(

@@ -1,0 +1,257 @@
+"""Benchmark the nightly run: incremental ingest + scoring against a full rebuild.
+
+A simulated log of `--days` days (default 90, 300k users, about 3M events) is cut into one
+CSV per day, as an export lands each night. 2% of the rows arrive one or two days late
+(within `ingest.late_allowed`, 3 days: they land where a full rebuild puts them) and 0.05%
+five days late (quarantined as `late`). From day 1, every night copies that day's file
+into the landing folder and runs `journeys ingest` (incremental) and `journeys score`
+(keeping the earlier scores of finished journeys), with a random model of the default
+architecture (speed does not depend on trained weights).
+
+At the checkpoint days (30, 60, 90) the night runs in a child process that reports its
+work time (imports excluded: the same for both) and its peak memory, and so does a full
+rebuild of the same files (less the rows quarantined as late, which a full rebuild would
+take in) into folders of its own: `run_ingest(full=True)` and scoring everything. The
+journeys and the scores of the two are checked equal (scores but for when each row was
+scored, probabilities to 1e-6: a journey's padding depends on its batch-mates).
+
+Target: at day 90 the nightly run takes <= 0.15x the full rebuild, and stays flat from
+day 30 to day 90 while the rebuild grows.
+
+Usage::
+
+    .venv/bin/python benchmarks/daily.py                  # 300k users, 90 days
+    .venv/bin/python benchmarks/daily.py --users 20000 --days 30 --checkpoints 10 30 --no-record
+
+Data and folders live under data/bench/daily/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "data" / "bench" / "daily"
+LATE_SHARE, VERY_LATE_SHARE, VERY_LATE_DAYS = 0.02, 0.0005, 5
+WHEN_SCORED = ("as_of", "quiet_seconds", "scored_at")
+TARGET = 0.15
+
+
+def config_for(landing: Path, out: Path):
+    from journeys.config import load_config
+
+    return load_config(
+        ROOT / "conf" / "default.yaml",
+        [
+            f"paths.raw={landing}",
+            f"paths.journeys={out / 'journeys'}",
+            f"paths.quarantine={out / 'quarantine'}",
+            f"paths.scores={out / 'scores'}",
+        ],
+    )
+
+
+def make_days(users: int, days: int) -> int:
+    """Simulate the log and cut it into day files (`days/` as they land, `on_time/`
+    without the very late rows); returns the number of events."""
+    from journeys.simulate import simulate
+
+    stamp = WORK / f"log-{users}-{days}.json"
+    if stamp.exists():
+        return json.loads(stamp.read_text())["events"]
+    shutil.rmtree(WORK, ignore_errors=True)
+    simulate(WORK / "log", users=users, days=days, seed=0)
+    log = pl.read_csv(next((WORK / "log").glob("*.csv")), infer_schema=False)
+    rng = np.random.default_rng(0)
+    draw = rng.random(log.height)
+    delay = np.where(draw < LATE_SHARE, rng.integers(1, 3, log.height), 0)
+    delay = np.where(draw > 1 - VERY_LATE_SHARE, VERY_LATE_DAYS, delay)
+    day = pl.col("timestamp").str.to_datetime(time_zone="UTC").dt.date()
+    first = log.select(day.min()).item()
+    log = log.with_columns(
+        ((day - pl.lit(first)).dt.total_days() + pl.Series(delay) + 1).alias("_arrival"),
+        pl.Series(delay == VERY_LATE_DAYS).alias("_very_late"),
+    )
+    for folder, rows in (("days", log), ("on_time", log.filter(~pl.col("_very_late")))):
+        (WORK / folder).mkdir(parents=True)
+        for (arrival,), part in rows.group_by("_arrival"):
+            if arrival <= days:
+                part.drop("_arrival", "_very_late").write_csv(
+                    WORK / folder / f"day-{arrival:03d}.csv"
+                )
+    shutil.rmtree(WORK / "log")
+    stamp.write_text(json.dumps({"events": log.height}))
+    return log.height
+
+
+def night(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]:
+    """One ingest + scoring: their work times (s) and what they did."""
+    from journeys.ingest import run_ingest
+    from journeys.score import score_dataset
+    from journeys.trained_model import load_model
+
+    config = config_for(landing, out)
+    trained = load_model(str(model))
+    started = time.perf_counter()
+    report = run_ingest(config, full=full).report
+    ingested = time.perf_counter()
+    scored = score_dataset(
+        trained, config.paths.journeys, config.paths.scores, progress=False,
+        chunk_journeys=config.score.chunk_journeys, keep_earlier=not full,
+    )  # fmt: skip
+    done = time.perf_counter()
+    return {
+        "ingest_s": ingested - started,
+        "score_s": done - ingested,
+        "rows_read": report["ingest"]["rows_read"],
+        "journeys": report["journeys"],
+        "scored_now": scored.rows - scored.kept,
+        "late": report["quarantined"]["late"],
+    }
+
+
+def peak_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(args: argparse.Namespace) -> None:
+    import journeys.encoding  # noqa: F401  (imports before the clock, as in the parent)
+
+    result = night(Path(args.landing), Path(args.out), Path(args.model), args.child == "full")
+    print(json.dumps({**result, "peak_mb": peak_mb()}))
+
+
+def in_child(kind: str, landing: Path, out: Path, model: Path) -> dict[str, float]:
+    command = [
+        sys.executable, __file__, "--child", kind, "--landing", str(landing),
+        "--out", str(out), "--model", str(model),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def same_outputs(nightly: Path, full: Path) -> bool:
+    from polars.testing import assert_frame_equal
+
+    a = pl.read_parquet(nightly / "journeys" / "*.parquet").sort("journey_id")
+    b = pl.read_parquet(full / "journeys" / "*.parquet").sort("journey_id")
+    scores = [
+        pl.read_parquet(f / "scores" / "*.parquet").drop(WHEN_SCORED).sort("journey_id")
+        for f in (nightly, full)
+    ]
+    try:
+        assert_frame_equal(*scores, abs_tol=1e-6)
+    except AssertionError:
+        return False
+    return a.equals(b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--users", type=int, default=300_000)
+    parser.add_argument("--days", type=int, default=90)
+    parser.add_argument("--checkpoints", type=int, nargs="+", default=[30, 60, 90])
+    parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--child", choices=["nightly", "full"])
+    parser.add_argument("--landing")
+    parser.add_argument("--out")
+    parser.add_argument("--model")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    from recording import machine, record_section
+    from score import random_model
+
+    import journeys.encoding  # noqa: F401
+
+    events = make_days(args.users, args.days)
+    landing, nightly, full = WORK / "landing", WORK / "nightly", WORK / "full"
+    for folder in (landing, nightly, full, WORK / "model"):
+        shutil.rmtree(folder, ignore_errors=True)
+    landing.mkdir()
+    model = None
+    rows = []
+    for day in range(1, args.days + 1):
+        for folder in (landing,):
+            source = WORK / "days" / f"day-{day:03d}.csv"
+            if source.exists():
+                shutil.copy2(source, folder / source.name)
+        if model is None:  # the first night: a model with its vocabularies
+            from journeys.ingest import run_ingest
+
+            run_ingest(config_for(landing, nightly))
+            model = random_model(nightly / "journeys")
+        if day not in args.checkpoints:
+            result = night(landing, nightly, model, full=False)
+            print(
+                f"day {day:3d}: ingest {result['ingest_s']:5.2f} s, score "
+                f"{result['score_s']:5.2f} s ({result['scored_now']:,} scored now)",
+                flush=True,
+            )
+            continue
+        on_time = WORK / "on_time_landing"
+        shutil.rmtree(on_time, ignore_errors=True)
+        on_time.mkdir()
+        for file in sorted(landing.glob("*.csv")):
+            shutil.copy2(WORK / "on_time" / file.name, on_time / file.name)
+        shutil.rmtree(full, ignore_errors=True)
+        incremental = in_child("nightly", landing, nightly, model)
+        rebuild = in_child("full", on_time, full, model)
+        equal = same_outputs(nightly, full)
+        rows.append((day, incremental, rebuild, equal))
+        print(f"day {day}: nightly {incremental}, full {rebuild}, equal {equal}", flush=True)
+
+    table = [
+        "| day | nightly: ingest + score (scored now) | full rebuild: ingest + score | ratio "
+        "| peak memory nightly / full | equal |",
+        "|---|---|---|---|---|---|",
+    ]
+    for day, inc, reb, equal in rows:
+        n_total, f_total = inc["ingest_s"] + inc["score_s"], reb["ingest_s"] + reb["score_s"]
+        table.append(
+            f"| {day} | {inc['ingest_s']:.1f} + {inc['score_s']:.1f} = **{n_total:.1f} s** "
+            f"({inc['scored_now']:,} of {reb['journeys']:,}) | {reb['ingest_s']:.1f} + "
+            f"{reb['score_s']:.1f} = {f_total:.1f} s | **{n_total / f_total:.2f}x** | "
+            f"{inc['peak_mb']:,.0f} / {reb['peak_mb']:,.0f} MB | {'yes' if equal else 'NO'} |"
+        )
+    text = "\n".join(
+        [
+            f"## Nightly runs ({date.today()}, {args.users:,} users, {events:,} events over "
+            f"{args.days} days)",
+            "",
+            f"`benchmarks/daily.py --users {args.users} --days {args.days} --checkpoints "
+            f"{' '.join(map(str, args.checkpoints))}` on {machine()}. Day files as they land "
+            f"({LATE_SHARE:.0%} of rows 1-2 days late, {VERY_LATE_SHARE:.2%} "
+            f"{VERY_LATE_DAYS} days late: quarantined as `late`); every night `journeys "
+            "ingest` (incremental) and `journeys score` (finished journeys keep their scores), "
+            "against a full rebuild of the same files (less the late-quarantined rows) in "
+            "folders of its own. Work time in a child process (imports excluded), peak RSS "
+            f"of that child. Target: day {args.checkpoints[-1]} <= {TARGET}x, flat from the "
+            "first checkpoint on.",
+            "",
+            *table,
+        ]
+    )
+    print(text)
+    if not args.no_record:
+        record_section(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()
