@@ -26,11 +26,11 @@ a longer journey are cut to the events the model read and attention stays aligne
 
 Scoring scales out like ingest: the input's journeys, its part files read back to back, are
 cut into equal chunks of at most `score.chunk_journeys`, and each chunk is scored on its own
-(`ScoreChunk`) and written as its own part file; the chunks are mapped over workers:
-`journeys score` runs `orchestration.max_workers` local threads or processes
-(`chunks_in_pool`), the score flow one Prefect task per chunk on the configured task
-runner (thread, process, Dask). Chunks depend on the data alone, so the output is the same
-file for file whichever runs them. (Chunks, not ingest's partitions: small partitions
+(`ScoreChunk`) and written as one file per input part it holds (`segment_file`); the chunks
+are mapped over workers: `journeys score` runs `orchestration.max_workers` local threads or
+processes (`chunks_in_pool`), the score flow one Prefect task per chunk on the configured
+task runner (thread, process, Dask). Chunks depend on the data alone, so the output is the
+same file for file whichever runs them. (Chunks, not ingest's partitions: small partitions
 would make small chunks, and a length-sorted chunk of 8k journeys pads its batches so much
 more than one of 50k that scoring took 1.5x as long.)
 
@@ -68,7 +68,6 @@ import polars as pl
 from journeys.config import redact_uri
 from journeys.datasets import (
     CHUNK_KEY,
-    OPEN_PART_PREFIX,
     OPTIONAL_COLUMNS,
     PART_FILE,
     REPORT_FILE,
@@ -249,8 +248,7 @@ class ScoreChunk:
     attention: AttentionMode | None = "pooled"
     batch_size: int = 1024
     torch_threads: int | None = None
-    names: tuple[str, ...] = ()  # each chunk's file name (`chunk_name`)
-    held: tuple[list, ...] = ()  # each chunk's `segments`
+    held: tuple[list, ...] = ()  # each chunk's `segments`: what of which parts it holds
 
     def __call__(self, index: int, chunk: tuple[int, int]) -> ChunkScored:
         from journeys.inference import pick_device
@@ -259,8 +257,12 @@ class ScoreChunk:
         trained, device = self.trained, pick_device(self.torch_threads)
         trained.model.to(device)
         read = read_rows(self.parts, self.columns, *chunk)
-        last = pl.col("end_time") if "end_time" in read.columns else pl.col("event_time").list.max()
-        latest = read.select(last.max()).item()
+        # Each input part's rows go to a file of their own: a later run keeps a part's
+        # scores as long as that part is unchanged, whatever it was scored beside.
+        held = self.held[index]
+        read = read.with_columns(
+            pl.Series(SEGMENT, [i for i, s in enumerate(held) for _ in range(s[2])], pl.Int32)
+        )
         frame = mark_open(
             cut_at(read, self.as_of, trained.encoder.event_columns), self.as_of, trained.max_gap
         )
@@ -269,6 +271,7 @@ class ScoreChunk:
         ).with_columns(frame.select("open", "quiet_seconds"))
         if trained.quiet_survival is not None:
             scored = in_flight_probability(scored, trained.quiet_survival)
+        segment = frame.get_column(SEGMENT)
         scored = scored.with_columns(
             pl.lit(self.as_of, UTC_US).alias("as_of"),
             pl.lit(trained.model_uri, pl.String).alias("model_uri"),
@@ -276,16 +279,21 @@ class ScoreChunk:
             pl.lit(self.scored_at, UTC_US).alias("scored_at"),
         ).select(pl.col(name).cast(dtype) for name, dtype in self.schema.items())
         done = ChunkScored(read.height, scored.height, int(scored.get_column("open").sum()))
-        facts = {
-            "segments": self.held[index], "rows": scored.height, "open": done.open,
-            "latest": str(latest or self.as_of), "as_of": str(self.as_of),
-            "model_uri": trained.model_uri, "model_version": trained.model_version,
-            "attention": self.attention,
-        }  # fmt: skip
-        scored.write_parquet(
-            self.staging / self.names[index],
-            metadata={**self.parquet_metadata, CHUNK_KEY: json.dumps(facts)},
-        )
+        last = pl.col("end_time") if "end_time" in read.columns else pl.col("event_time").list.max()
+        latest = read.group_by(SEGMENT).agg(last.max()).rows_by_key(SEGMENT, unique=True)
+        for i, piece in enumerate(held):
+            rows = scored.filter(segment == i)
+            facts = {
+                "segments": [piece], "rows": rows.height,
+                "open": int(rows.get_column("open").sum()),
+                "latest": str(latest.get(i, (None,))[0] or self.as_of), "as_of": str(self.as_of),
+                "model_uri": trained.model_uri, "model_version": trained.model_version,
+                "attention": self.attention,
+            }  # fmt: skip
+            rows.write_parquet(
+                self.staging / segment_file(piece, facts),
+                metadata={**self.parquet_metadata, CHUNK_KEY: json.dumps(facts)},
+            )
         del scored, frame, read
         release_freed_memory()
         return done
@@ -357,16 +365,14 @@ def score_dataset(
     todo = [(part, key) for part, key in zip(parts, keys, strict=True) if key not in earlier.parts]
     todo_rows = [rows_of[key] for _, key in todo]
     total = sum(todo_rows)
-    alone = [part.name.startswith(OPEN_PART_PREFIX) for part, _ in todo]
-    chunks = pack_parts(todo_rows, chunk_journeys, alone)
+    chunks = chunk_bounds(total, chunk_journeys)
     held = tuple(segments(chunk, [key for _, key in todo], todo_rows) for chunk in chunks)
-    names = tuple(chunk_name(h, facts, as_of) for h in held)
     with atomic_dir(out) as staging:
         for path in earlier.files:
             link_or_copy(path, staging / path.name)
         score = ScoreChunk(
             trained, [part for part, _ in todo], staging, columns, schema, as_of, scored_at,
-            scores_metadata(metadata), attention, batch_size, names=names, held=held,
+            scores_metadata(metadata), attention, batch_size, held=held,
         )  # fmt: skip
         if map_chunks is None:
             with _progress(total, progress) as advance:
@@ -390,6 +396,8 @@ def score_dataset(
         earlier.why_not,
     )
 
+
+SEGMENT = "_segment"  # a working column: which input part (piece) a row came from
 
 # ----------------------------------------------------------------------------- what changed
 # A nightly run re-scores only what changed. Each scores file records which rows of which
@@ -462,29 +470,6 @@ def earlier_scores(
     return Earlier(sorted(candidates), frozenset(whole), rows, why)
 
 
-def pack_parts(part_rows: list[int], most: int, alone: list[bool]) -> list[tuple[int, int]]:
-    """`(first row, rows)` chunks over the parts read back to back, each holding whole
-    parts (up to `most` rows) or, for a part larger than `most`, equal pieces of it: a
-    changed part then costs its own chunk, not its neighbours'. A part marked `alone`
-    (ingest's open journeys, re-scored every run) is never packed with others."""
-    chunks, first, size = [], 0, 0
-    for rows, single in zip(part_rows, alone, strict=True):
-        if rows > most or single:
-            if size:
-                chunks.append((first, size))
-                first, size = first + size, 0
-            chunks += [(first + a, n) for a, n in chunk_bounds(rows, most)]
-            first += rows
-        elif size + rows > most:
-            chunks.append((first, size))
-            first, size = first + size, rows
-        else:
-            size += rows
-    if size:
-        chunks.append((first, size))
-    return chunks
-
-
 def segments(chunk: tuple[int, int], keys: list[str], part_rows: list[int]) -> list[list]:
     """The `[part, first row in it, rows]` a chunk of the parts read back to back holds."""
     start, stop, seen, held = chunk[0], chunk[0] + chunk[1], 0, []
@@ -496,10 +481,10 @@ def segments(chunk: tuple[int, int], keys: list[str], part_rows: list[int]) -> l
     return held
 
 
-def chunk_name(held: list[list], facts: dict[str, Any], as_of: datetime) -> str:
-    """A chunk's file name from what it holds and how it was scored: the same work gives
-    the same name, and a new chunk never takes the name of one kept."""
-    text = json.dumps([held, facts.get("model_uri"), facts.get("model_version"), str(as_of)])
+def segment_file(piece: list, facts: dict[str, Any]) -> str:
+    """A scores file's name from the rows it holds and how they were scored: the same work
+    gives the same name, and a new file never takes the name of one kept."""
+    text = json.dumps([piece, facts["model_uri"], facts["model_version"], facts["as_of"]])
     return f"part-{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}.parquet"
 
 

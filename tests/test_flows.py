@@ -387,10 +387,17 @@ def test_scoring_mapped_as_tasks_on_threads_or_processes_matches_scoring_in_orde
     thread and the process runner, writes the same files byte for byte, and what scoring
     in order writes up to float rounding (one PyTorch thread per worker against two)."""
     from prefect import flow
-    from test_score import assert_same_scores, journeys_folder, save_tiny_model, split_into_parts
+    from test_score import (
+        assert_same_scores,
+        covered_parts,
+        journeys_folder,
+        save_tiny_model,
+        split_into_parts,
+    )
 
     from flows.pipeline import chunks_as_tasks
     from flows.settings import Orchestration
+    from journeys.datasets import count_rows, parquet_parts
     from journeys.score import score_dataset
     from journeys.trained_model import load_model
     from journeys.vocab import Vocabularies
@@ -412,7 +419,10 @@ def test_scoring_mapped_as_tasks_on_threads_or_processes_matches_scoring_in_orde
         assert score_dataset(loaded, journeys, tmp_path / "in-order", **settings).rows == 120
         assert score_on("thread") == score_on("process") == 120
     files = sorted(p.name for p in (tmp_path / "in-order").iterdir())
-    assert len(files) == 8  # 4 parts of 30 journeys, each in 2 chunks: none straddles parts
+    # A file per part (piece) each chunk holds: together they hold every part once.
+    assert covered_parts(tmp_path / "in-order") == {
+        p.name: count_rows([p]) for p in parquet_parts(journeys)
+    }
     for runner in ("thread", "process"):
         assert sorted(p.name for p in (tmp_path / runner).iterdir()) == files
     for file in files:

@@ -14,7 +14,13 @@ from conftest import EVENT_TYPES, make_journeys_dataset
 
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.datasets import is_journeys_dataset, read_metadata, scores_schema
+from journeys.datasets import (
+    count_rows,
+    is_journeys_dataset,
+    parquet_parts,
+    read_metadata,
+    scores_schema,
+)
 from journeys.encoding import JourneyCollator, JourneyEncoder, model_config_from
 from journeys.ingest import run_ingest
 from journeys.model import JourneyTransformer
@@ -473,7 +479,10 @@ def test_scores_are_identical_in_order_on_threads_or_processes_and_from_any_part
         assert scored.rows == scored.journeys == 240
         outputs[name] = out
     files = sorted(p.name for p in outputs["in order"].iterdir())
-    assert len(files) == 8  # 4 parts of 60 journeys, each in 2 chunks: none straddles parts
+    # A file per part (piece) each chunk holds: together they hold every part once.
+    assert covered_parts(outputs["in order"]) == {
+        p.name: count_rows([p]) for p in parquet_parts(four)
+    }
     for name in ("threads", "processes"):
         assert sorted(p.name for p in outputs[name].iterdir()) == files
     for file in files:
@@ -482,6 +491,18 @@ def test_scores_are_identical_in_order_on_threads_or_processes_and_from_any_part
         assert_same_scores(threads, pl.read_parquet(outputs["in order"] / file))
     one = pl.read_parquet(outputs["one part"]).sort("journey_id")
     assert_same_scores(one, pl.read_parquet(outputs["in order"]).sort("journey_id"))
+
+
+def covered_parts(scores: Path) -> dict[str, int]:
+    """Input part name -> rows, over what every scores file in `scores` says it holds."""
+    from journeys.datasets import chunk_facts
+
+    covered: dict[str, int] = {}
+    for path in sorted(scores.glob("*.parquet")):
+        for key, _, rows in chunk_facts(path)["segments"]:
+            name = key.split(":")[0]
+            covered[name] = covered.get(name, 0) + rows
+    return covered
 
 
 def assert_same_scores(got: pl.DataFrame, expected: pl.DataFrame) -> None:
