@@ -227,6 +227,7 @@ class ChunkScored:
     journeys: int
     rows: int
     open: int
+    kept: int = 0  # rows whose earlier scores stand (`reused_rows`)
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,7 @@ class ScoreChunk:
     batch_size: int = 1024
     torch_threads: int | None = None
     held: tuple[list, ...] = ()  # each chunk's `segments`: what of which parts it holds
+    reuse: Path | None = None  # earlier rows of finished journeys (`reusable_rows`)
 
     def __call__(self, index: int, chunk: tuple[int, int]) -> ChunkScored:
         from journeys.inference import pick_device
@@ -265,20 +267,25 @@ class ScoreChunk:
         )
         frame = mark_open(
             cut_at(read, self.as_of, trained.encoder.event_columns), self.as_of, trained.max_gap
-        )
+        ).with_row_index(ROW)
+        kept, frame = reused_rows(frame, self.reuse, self.schema, trained.encoder.event_columns)
         scored = score_frame(
             trained, frame, attention=self.attention, batch_size=self.batch_size, device=device
-        ).with_columns(frame.select("open", "quiet_seconds"))
+        ).with_columns(frame.select("open", "quiet_seconds", SEGMENT, ROW))
         if trained.quiet_survival is not None:
             scored = in_flight_probability(scored, trained.quiet_survival)
-        segment = frame.get_column(SEGMENT)
         scored = scored.with_columns(
             pl.lit(self.as_of, UTC_US).alias("as_of"),
             pl.lit(trained.model_uri, pl.String).alias("model_uri"),
             pl.lit(trained.model_version, pl.String).alias("model_version"),
             pl.lit(self.scored_at, UTC_US).alias("scored_at"),
-        ).select(pl.col(name).cast(dtype) for name, dtype in self.schema.items())
-        done = ChunkScored(read.height, scored.height, int(scored.get_column("open").sum()))
+        ).select(*(pl.col(name).cast(dtype) for name, dtype in self.schema.items()), SEGMENT, ROW)
+        scored = pl.concat([scored, kept]).sort(ROW)  # the input's order
+        segment = scored.get_column(SEGMENT)
+        scored = scored.drop(SEGMENT, ROW)
+        done = ChunkScored(
+            read.height, scored.height, int(scored.get_column("open").sum()), kept.height
+        )
         last = pl.col("end_time") if "end_time" in read.columns else pl.col("event_time").list.max()
         latest = read.group_by(SEGMENT).agg(last.max()).rows_by_key(SEGMENT, unique=True)
         for i, piece in enumerate(held):
@@ -367,12 +374,17 @@ def score_dataset(
     total = sum(todo_rows)
     chunks = chunk_bounds(total, chunk_journeys)
     held = tuple(segments(chunk, [key for _, key in todo], todo_rows) for chunk in chunks)
-    with atomic_dir(out) as staging:
+    with scratch_dir(Path(out).parent, "score-reuse") as scratch, atomic_dir(out) as staging:
         for path in earlier.files:
             link_or_copy(path, staging / path.name)
+        reuse = (
+            reusable_rows(Path(out), earlier, facts, as_of, schema, scratch / "reuse.parquet")
+            if keep_earlier and todo
+            else None
+        )
         score = ScoreChunk(
             trained, [part for part, _ in todo], staging, columns, schema, as_of, scored_at,
-            scores_metadata(metadata), attention, batch_size, held=held,
+            scores_metadata(metadata), attention, batch_size, held=held, reuse=reuse,
         )  # fmt: skip
         if map_chunks is None:
             with _progress(total, progress) as advance:
@@ -392,12 +404,13 @@ def score_dataset(
         sum(r.journeys for r in results) + earlier.rows,
         sum(r.open for r in results),
         as_of,
-        earlier.rows,
+        earlier.rows + sum(r.kept for r in results),
         earlier.why_not,
     )
 
 
 SEGMENT = "_segment"  # a working column: which input part (piece) a row came from
+ROW = "_row"  # ... and its place in the chunk
 
 # ----------------------------------------------------------------------------- what changed
 # A nightly run re-scores only what changed. Each scores file records which rows of which
@@ -468,6 +481,69 @@ def earlier_scores(
         )
     rows = sum(c["rows"] for c in candidates.values())
     return Earlier(sorted(candidates), frozenset(whole), rows, why)
+
+
+def reusable_rows(
+    out: Path, earlier: Earlier, facts: dict[str, Any], as_of: datetime, schema: pl.Schema,
+    into: Path,
+) -> Path | None:  # fmt: skip
+    """The rows of earlier scores files that are not kept whole (their part changed: last
+    night's open journeys, a day rewritten for its split) but were scored by the same
+    model, as of no later, and were not open then: a journey among them that is still
+    the same and still not open need not be scored again (`reused_rows`)."""
+    if not out.is_dir():
+        return None
+    kept = set(earlier.files)
+    files = []
+    for path in parquet_parts(out):
+        chunk = chunk_facts(path)
+        if path in kept or chunk is None:
+            continue
+        same = all(chunk.get(name) == value for name, value in facts.items())
+        earlier_as_of = datetime.fromisoformat(chunk["as_of"])
+        if same and earlier_as_of <= as_of and pl.read_parquet_schema(path) == schema:
+            files.append(path)
+    if not files:
+        return None
+    pl.scan_parquet(files).filter(~pl.col("open")).sink_parquet(into)
+    return into
+
+
+def reused_rows(
+    frame: pl.DataFrame, reuse: Path | None, schema: pl.Schema, event_columns: list[str]
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(earlier rows kept, the journeys still to score) of a chunk: an earlier row stands
+    for a journey not open now whose events (as the model reads them) and length are the
+    same; its columns copied from the input (split, label, ...) are taken from it now."""
+    empty = pl.DataFrame(schema={**schema, SEGMENT: pl.Int32, ROW: pl.UInt32})
+    if reuse is None or frame.height == 0:
+        return empty, frame
+    lists = [c for c in ("event_type", "event_time", *event_columns) if c in schema]
+    checked = [*lists, *(["n_events_total"] if "n_events_total" in schema else [])]
+    earlier = (
+        pl.scan_parquet(reuse)
+        .filter(pl.col("journey_id").is_in(frame.get_column("journey_id").implode()))
+        .collect()
+    )
+    if earlier.height == 0:
+        return empty, frame
+    now = frame.filter(~pl.col("open")).select("journey_id", *checked)
+    same = now.join(earlier.select("journey_id", *checked), on="journey_id", suffix="_then")
+    unchanged = pl.all_horizontal(
+        pl.col(c).eq_missing(pl.col(f"{c}_then")) for c in checked
+    )  # fmt: skip
+    ids = same.filter(unchanged).get_column("journey_id")
+    if ids.len() == 0:
+        return empty, frame
+    copied = [name for name in OPTIONAL_COLUMNS if name in schema and name in frame.columns]
+    fresh = frame.filter(pl.col("journey_id").is_in(ids.implode()))
+    kept = (
+        earlier.filter(pl.col("journey_id").is_in(ids.implode()))
+        .drop(copied)
+        .join(fresh.select("journey_id", *copied, SEGMENT, ROW), on="journey_id")
+        .select(*(pl.col(name).cast(dtype) for name, dtype in schema.items()), SEGMENT, ROW)
+    )
+    return kept, frame.filter(~pl.col("journey_id").is_in(ids.implode()))
 
 
 def segments(chunk: tuple[int, int], keys: list[str], part_rows: list[int]) -> list[list]:
