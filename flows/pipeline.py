@@ -198,7 +198,7 @@ def simulate_task(config: Config) -> dict[str, Any] | None:
 
 @task(name="build-partition", task_run_name="build-partition-{index}")
 def build_partition_task(
-    build: ingest_lib.PartitionBuilder, partition: Path | None, index: int
+    build: ingest_lib.PartitionBuilder, partition: int, index: int
 ) -> ingest_lib.PartitionResult:
     """Pass 2 of ingest for one partition: de-duplicate, sort, sessionise, label."""
     return build(partition)
@@ -233,7 +233,7 @@ def partitions_as_tasks(settings: Orchestration) -> ingest_lib.MapPartitions:
     """`run_ingest`'s pass 2 as one task per partition on the configured task runner."""
 
     def map_partitions(
-        build: ingest_lib.PartitionBuilder, partitions: list[Path | None]
+        build: ingest_lib.PartitionBuilder, partitions: list[int]
     ) -> list[ingest_lib.PartitionResult]:
         get_run_logger().info("building %d partition(s)", len(partitions))
         return map_as_tasks(

@@ -410,3 +410,26 @@ def test_the_attribution_window_opens_only_recent_scores_files(tmp_path: Path) -
     assert recent.equals(everything.filter(pl.col("event_time").list.last() >= since))
     assert 0 < recent.height < everything.height
     assert len(opened[0]) < len(list((tmp_path / "scores").glob("*.parquet")))
+
+
+def test_an_old_file_delivered_again_under_a_new_name_stops_and_names_full(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """All its rows are late: more than ingest.max_quarantined_share, so the run stops with
+    one line naming the reason and `--full`; the journeys stay as they were."""
+    files = write_days(event_log(seed=13).filter(pl.col("arrival") < 20), tmp_path / "landing")
+    args = [
+        "ingest", "--set", f"paths.raw={tmp_path / 'landing'}",
+        "--set", f"paths.journeys={tmp_path / 'journeys'}",
+        "--set", f"paths.quarantine={tmp_path / 'quarantine'}",
+        "--set", "data.features=[channel]", "--set", "vocab.min_count=1",
+    ]  # fmt: skip
+    assert main(args) == 0
+    before = (tmp_path / "journeys" / MANIFEST_FILE).read_bytes()
+    capsys.readouterr()
+    shutil.copy2(files[0], tmp_path / "landing" / "day-000-resent.csv")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "most as late" in err and "--full" in err, err
+    assert (tmp_path / "journeys" / MANIFEST_FILE).read_bytes() == before
+    assert read_quarantine(tmp_path / "quarantine").height == pl.read_csv(files[0]).height
