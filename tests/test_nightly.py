@@ -173,17 +173,21 @@ def test_nightly_ingests_equal_a_full_rebuild(
     assert_same_as_full(work / "nightly" / "journeys", work / "full" / "journeys")
 
 
+def ingest_args(tmp: Path) -> list[str]:
+    """`journeys ingest` of `tmp/landing` into `tmp/journeys`, for the command-line tests."""
+    sets = [
+        f"paths.raw={tmp / 'landing'}", f"paths.journeys={tmp / 'journeys'}",
+        f"paths.quarantine={tmp / 'quarantine'}", "data.features=[channel]", "vocab.min_count=1",
+    ]  # fmt: skip
+    return ["ingest", *[arg for item in sets for arg in ("--set", item)]]
+
+
 def test_an_ingested_file_that_changed_or_vanished_stops_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     log = event_log(seed=3)
     files = write_days(log.filter(pl.col("arrival") < 20), tmp_path / "landing")
-    args = [
-        "ingest", "--set", f"paths.raw={tmp_path / 'landing'}",
-        "--set", f"paths.journeys={tmp_path / 'journeys'}",
-        "--set", f"paths.quarantine={tmp_path / 'quarantine'}",
-        "--set", "data.features=[channel]", "--set", "vocab.min_count=1",
-    ]  # fmt: skip
+    args = ingest_args(tmp_path)
     assert main(args) == 0
     manifest = (tmp_path / "journeys" / MANIFEST_FILE).read_bytes()
     capsys.readouterr()
@@ -418,12 +422,7 @@ def test_an_old_file_delivered_again_under_a_new_name_stops_and_names_full(
     """All its rows are late: more than ingest.max_quarantined_share, so the run stops with
     one line naming the reason and `--full`; the journeys stay as they were."""
     files = write_days(event_log(seed=13).filter(pl.col("arrival") < 20), tmp_path / "landing")
-    args = [
-        "ingest", "--set", f"paths.raw={tmp_path / 'landing'}",
-        "--set", f"paths.journeys={tmp_path / 'journeys'}",
-        "--set", f"paths.quarantine={tmp_path / 'quarantine'}",
-        "--set", "data.features=[channel]", "--set", "vocab.min_count=1",
-    ]  # fmt: skip
+    args = ingest_args(tmp_path)
     assert main(args) == 0
     before = (tmp_path / "journeys" / MANIFEST_FILE).read_bytes()
     capsys.readouterr()
