@@ -1144,6 +1144,19 @@ def ingest(config: Config, full: bool = False) -> dict[str, Any]:
     return run_ingest(config, full=full).report
 
 
+def run_line(run: dict[str, Any] | None) -> str:
+    """What this run did, in one line (the table above is over every run)."""
+    if not run or not run.get("new_files"):
+        return "journeys ingest: up to date: no new raw file, nothing read or written"
+    return (
+        f"journeys ingest: {run['mode']} ({run['why']}): {len(run['new_files'])} new file(s), "
+        f"{run['rows_read']:,} rows ({run['quarantined_total']:,} quarantined, {run['late']:,} "
+        f"of them late); journeys added {run['journeys_added']:,}, extended "
+        f"{run['journeys_extended']:,}, closed {run['journeys_closed']:,}; "
+        f"{run['journeys_open']:,} open"
+    )
+
+
 def print_report(report: dict[str, Any]) -> None:
     """The ingest report as a readable table."""
     from rich.console import Console
@@ -1164,5 +1177,6 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_row(f"  split {split}", f"{count:,}")
     table.add_row("data range", f"{report['data_start']} .. {report['data_end']}")
     Console().print(table)
+    print(run_line(report.get("ingest")))
     for warning in report.get("warnings", []):
         print(f"journeys ingest: warning: {warning}", file=sys.stderr)

@@ -188,9 +188,17 @@ def test_an_ingested_file_that_changed_or_vanished_stops_the_run(
     log = event_log(seed=3)
     files = write_days(log.filter(pl.col("arrival") < 20), tmp_path / "landing")
     args = ingest_args(tmp_path)
+    files[-1].rename(files[-1].with_suffix(".later"))
     assert main(args) == 0
+    first = f"full (no earlier ingest in this folder): {len(files) - 1} new file(s)"
+    assert first in capsys.readouterr().out
+    files[-1].with_suffix(".later").rename(files[-1])
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "incremental (new files since the last ingest): 1 new file(s)" in printed, printed
+    assert main(args) == 0
+    assert "up to date: no new raw file" in capsys.readouterr().out
     manifest = (tmp_path / "journeys" / MANIFEST_FILE).read_bytes()
-    capsys.readouterr()
 
     original = files[3].read_text()
     files[3].write_text(original + "u999,2026-01-04T00:00:00Z,view,ads,mobile\n")
