@@ -114,8 +114,12 @@ def is_journeys_dataset(path: str | Path) -> bool:
 def training_journeys(folder: str | Path, window: timedelta | None = None) -> pl.LazyFrame:
     """The labelled journeys training reads; with `window` (`train.window`), those that
     ended within it of the data's end, so a weekly retrain over nightly ingests reads a
-    bounded slice. The split stays the ingest's: the cuts are not moved into the window."""
-    journeys = labelled(scan_journeys(folder))
+    bounded slice. The split stays the ingest's: the cuts are not moved into the window.
+
+    In journey-id order, not the part files': a nightly ingest lays the same journeys out
+    in other files than a full rebuild, and training must see them in the same order to
+    give the same model and metrics with the same seed."""
+    journeys = labelled(scan_journeys(folder)).sort("journey_id")
     if window is None:
         return journeys
     report = Path(folder) / REPORT_FILE

@@ -414,8 +414,8 @@ def test_negative_sampling_draws_other_negatives_each_epoch_and_stays_calibrated
     with contextlib.redirect_stdout(io.StringIO()):
         result = train.train_command(config)
 
-    frame = pl.read_parquet(tmp_path / "journeys" / "part-00000.parquet")
-    frame = frame.filter(~pl.col("censored"))
+    frame = pl.read_parquet(tmp_path / "journeys" / "part-00000.parquet").sort("journey_id")
+    frame = frame.filter(~pl.col("censored"))  # in the order training reads them
     labels = frame.filter(pl.col("split") == "train").get_column("label").to_numpy()
     positives, negatives = set(np.flatnonzero(labels)), set(np.flatnonzero(labels == 0))
     fraction = fraction_of_negatives(len(positives), len(negatives), 0.8)
