@@ -368,9 +368,9 @@ def build_partition(
     """Pass 2: one partition's rows (those kept open by the last run, then the new ones)
     -> journeys, finished and open, written to `out`."""
     data = config.data
-    clean, total = cleaned_counts(rows, data)
+    clean, cleaned = cleaned_counts(rows, data)
     built = build_journeys(sort_events(clean.events, data), config, horizon)
-    total = total + Counts(
+    total = cleaned + Counts(
         dropped_by_config=built.dropped_after_settled + built.dropped_after_open,
         dropped_after_conversion=built.dropped_after_settled + built.dropped_after_open,
         conversions_without_journey=built.orphans_settled + built.orphans_open,
@@ -383,13 +383,21 @@ def build_partition(
     )
     stays = (pl.col(TS) >= keep_from).fill_null(False) if horizon is not None else pl.lit(False)
     marked = marked.with_columns(stays.alias("_stays")).drop("_user", OPEN_FROM)
-    _, settled = cleaned_counts(marked.filter(~pl.col("_stays")).drop("_stays"), data)
-    settled = settled + Counts(
+    open_rows = marked.filter(pl.col("_stays")).drop("_stays", REASON, strict=False)
+    # Clean counts are additive (a row and its copies fall on the same side): count the
+    # smaller side again and take the other as the rest (a full build settles most rows,
+    # a nightly run keeps most open).
+    if open_rows.height <= rows.height - open_rows.height:
+        _, provisional = cleaned_counts(open_rows, data)
+        settled = cleaned - provisional
+    else:
+        _, settled = cleaned_counts(marked.filter(~pl.col("_stays")).drop("_stays"), data)
+    after_conversion = Counts(
         dropped_by_config=built.dropped_after_settled,
         dropped_after_conversion=built.dropped_after_settled,
         conversions_without_journey=built.orphans_settled,
     )
-    open_rows = marked.filter(pl.col("_stays")).drop("_stays", REASON, strict=False)
+    settled = settled + after_conversion
     open_rows.write_ipc(out["open_rows"], compression="lz4")
     closed = pl.col(VISIT_END) < horizon if horizon is not None else pl.lit(True)
     journeys = built.journeys
@@ -668,8 +676,10 @@ def finish(
     require_conversions(
         config, total.conversions, total.rows_valid, pl.concat([new_finished, opened])
     )
-    matched = frozenset(previous.manifest.event_map_matched if previous else ())
-    warn_unmatched_event_map(config, matched.union(*(p.event_map_matched for p in parts)))
+    matched = frozenset(previous.manifest.event_map_matched if previous else ()).union(
+        *(p.event_map_matched for p in parts)
+    )
+    warn_unmatched_event_map(config, matched)
 
     old_finished = previous.finished_parts() if previous else {}
     old_files = [previous.folder / name for name in old_finished] if previous else []
@@ -764,7 +774,7 @@ def finish(
             quarantined=add_counts(
                 previous.manifest.quarantined if previous else {}, staged.quarantined
             ),
-            event_map_matched=sorted(matched.union(*(p.event_map_matched for p in parts))),
+            event_map_matched=sorted(matched),
         )
         report = make_report(manifest, total, parts, observed_until)
         report["max_gap"] = config.journey.max_gap

@@ -63,6 +63,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 
 from journeys.config import redact_uri
@@ -263,7 +264,7 @@ class ScoreChunk:
         # scores as long as that part is unchanged, whatever it was scored beside.
         held = self.held[index]
         read = read.with_columns(
-            pl.Series(SEGMENT, [i for i, s in enumerate(held) for _ in range(s[2])], pl.Int32)
+            pl.Series(SEGMENT, np.repeat(np.arange(len(held)), [s[2] for s in held]), pl.Int32)
         )
         frame = mark_open(
             cut_at(read, self.as_of, trained.encoder.event_columns), self.as_of, trained.max_gap
@@ -377,11 +378,7 @@ def score_dataset(
     with scratch_dir(Path(out).parent, "score-reuse") as scratch, atomic_dir(out) as staging:
         for path in earlier.files:
             link_or_copy(path, staging / path.name)
-        reuse = (
-            reusable_rows(Path(out), earlier, facts, as_of, schema, scratch / "reuse.parquet")
-            if keep_earlier and todo
-            else None
-        )
+        reuse = reusable_rows(earlier, scratch / "reuse.parquet") if keep_earlier and todo else None
         score = ScoreChunk(
             trained, [part for part, _ in todo], staging, columns, schema, as_of, scored_at,
             scores_metadata(metadata), attention, batch_size, held=held, reuse=reuse,
@@ -435,6 +432,9 @@ class Earlier:
     parts: frozenset[str] = frozenset()  # input parts they cover whole
     rows: int = 0  # journeys they hold
     why_not: str | None = None
+    # Files of the same model and as_of no later, not kept whole: their finished
+    # journeys' rows may still stand (`reusable_rows`).
+    others: list[Path] = field(default_factory=list)
 
 
 def earlier_scores(
@@ -444,7 +444,7 @@ def earlier_scores(
     """The files of an earlier scoring of `out` that still hold the right scores."""
     if not out.is_dir():
         return Earlier(why_not="no earlier scores")
-    candidates, models = {}, set()
+    candidates, usable, models = {}, [], set()
     for path in parquet_parts(out):
         chunk = chunk_facts(path)
         if chunk is None:  # not a scores file of ours: scored afresh, and replaced
@@ -453,8 +453,10 @@ def earlier_scores(
         models.add(model)
         same = all(chunk[name] == value for name, value in facts.items())
         earlier_as_of = datetime.fromisoformat(chunk["as_of"])
-        finished = chunk["open"] == 0 and datetime.fromisoformat(chunk["latest"]) <= earlier_as_of
-        if same and finished and as_of >= earlier_as_of and pl.read_parquet_schema(path) == schema:
+        if not (same and as_of >= earlier_as_of and pl.read_parquet_schema(path) == schema):
+            continue
+        usable.append(path)
+        if chunk["open"] == 0 and datetime.fromisoformat(chunk["latest"]) <= earlier_as_of:
             candidates[path] = chunk
     # Keep a file only if every part it draws on is unchanged and covered whole by the
     # files kept; dropping one can uncover a part of another, so repeat until stable.
@@ -480,32 +482,18 @@ def earlier_scores(
             else "nothing finished to keep"
         )
     rows = sum(c["rows"] for c in candidates.values())
-    return Earlier(sorted(candidates), frozenset(whole), rows, why)
+    others = [path for path in usable if path not in candidates]
+    return Earlier(sorted(candidates), frozenset(whole), rows, why, others)
 
 
-def reusable_rows(
-    out: Path, earlier: Earlier, facts: dict[str, Any], as_of: datetime, schema: pl.Schema,
-    into: Path,
-) -> Path | None:  # fmt: skip
-    """The rows of earlier scores files that are not kept whole (their part changed: last
-    night's open journeys, a day rewritten for its split) but were scored by the same
-    model, as of no later, and were not open then: a journey among them that is still
+def reusable_rows(earlier: Earlier, into: Path) -> Path | None:
+    """The rows of earlier scores files not kept whole (their part changed: last night's
+    open journeys, a day rewritten for its split) but scored by the same model, as of no
+    later (`Earlier.others`), that were not open then: a journey among them that is still
     the same and still not open need not be scored again (`reused_rows`)."""
-    if not out.is_dir():
+    if not earlier.others:
         return None
-    kept = set(earlier.files)
-    files = []
-    for path in parquet_parts(out):
-        chunk = chunk_facts(path)
-        if path in kept or chunk is None:
-            continue
-        same = all(chunk.get(name) == value for name, value in facts.items())
-        earlier_as_of = datetime.fromisoformat(chunk["as_of"])
-        if same and earlier_as_of <= as_of and pl.read_parquet_schema(path) == schema:
-            files.append(path)
-    if not files:
-        return None
-    pl.scan_parquet(files).filter(~pl.col("open")).sink_parquet(into)
+    pl.scan_parquet(earlier.others).filter(~pl.col("open")).sink_parquet(into)
     return into
 
 
