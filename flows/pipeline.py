@@ -21,13 +21,14 @@ from __future__ import annotations
 from flows import _env  # noqa: F401  # isort: skip  (environment defaults before Prefect)
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
+from flows import cluster
 from flows import summary as text
 from flows.caching import (
     code_digest,
@@ -205,22 +207,33 @@ def build_partition_task(
 
 
 def map_as_tasks(
-    task_: Any, settings: Orchestration, work: tuple[str, Any], items: tuple[str, list]
+    task_: Any,
+    settings: Orchestration,
+    work: tuple[str, Any],
+    items: tuple[str, list],
+    needed: Sequence[Path] = (),
 ) -> list[Any]:
     """One task per item on the configured task runner, results in the items' order:
     `task_(<work name>=work, <items name>=item, index=i)`. No per-item timeout: a worker
-    thread cannot be interrupted; the calling stage's own timeout bounds the whole."""
+    thread cannot be interrupted; the calling stage's own timeout bounds the whole. On a
+    Dask cluster every worker must see the `needed` paths (`flows.cluster.shipping_to`)."""
     task_ = _configured(task_, settings, timeout_seconds=None)
     (work_name, work_value), (items_name, values) = work, items
     with make_task_runner(settings) as runner:
-        futures = runner.map(
-            task_,
-            {
-                work_name: unmapped(work_value),
-                items_name: values,
-                "index": list(range(len(values))),
-            },
+        shipping = (
+            cluster.shipping_to(runner.client, needed)
+            if settings.task_runner == "dask"
+            else contextlib.nullcontext()
         )
+        with shipping:
+            futures = runner.map(
+                task_,
+                {
+                    work_name: unmapped(work_value),
+                    items_name: values,
+                    "index": list(range(len(values))),
+                },
+            )
         try:
             return [future.result() for future in futures]
         except Exception as err:
@@ -236,8 +249,9 @@ def partitions_as_tasks(settings: Orchestration) -> ingest_lib.MapPartitions:
         build: ingest_lib.PartitionBuilder, partitions: list[int]
     ) -> list[ingest_lib.PartitionResult]:
         get_run_logger().info("building %d partition(s)", len(partitions))
+        needed = [build.scratch] if isinstance(build, ingest_lib.BuildPartition) else []
         return map_as_tasks(
-            build_partition_task, settings, ("build", build), ("partition", partitions)
+            build_partition_task, settings, ("build", build), ("partition", partitions), needed
         )
 
     return map_partitions
@@ -468,7 +482,10 @@ def train_flow(
 # Never cached: the model is not worth hashing, and the output goes to this run's staging.
 @task(name="score-chunk", task_run_name="score-chunk-{index}", cache_policy=NO_CACHE)
 def score_chunk_task(score: ScoreChunk, chunk: tuple[int, int], index: int) -> ChunkScored:
-    """One chunk of the journeys, scored into the scores' staging folder."""
+    """One chunk of the journeys, scored into the scores' staging folder; on a Dask worker
+    with PyTorch on the worker's share of the cores (not every core of its machine)."""
+    if score.torch_threads is None and (cores := cluster.worker_cores()):
+        score = dataclasses.replace(score, torch_threads=cores)
     return score(index, chunk)
 
 
@@ -479,10 +496,13 @@ def chunks_as_tasks(settings: Orchestration) -> MapChunks:
     def map_chunks(score: ScoreChunk, chunks: list[tuple[int, int]]) -> list[ChunkScored]:
         get_run_logger().info("scoring %d chunk(s)", len(chunks))
         workers = min(settings.max_workers or len(chunks), len(chunks)) or None
-        if settings.task_runner == "dask":  # a Dask cluster's workers size their own
+        if settings.task_runner == "dask":  # a Dask worker's share is its --nthreads
             workers = None
+        needed = [score.staging, *{part.parent for part in score.parts}]
         with shared_cores(score, workers) as shared:
-            return map_as_tasks(score_chunk_task, settings, ("score", shared), ("chunk", chunks))
+            return map_as_tasks(
+                score_chunk_task, settings, ("score", shared), ("chunk", chunks), needed
+            )
 
     return map_chunks
 
@@ -667,8 +687,11 @@ def one_line_user_errors() -> Iterator[None]:
 
 
 def pipeline_command(config: Config) -> dict[str, Any]:
-    """`journeys pipeline`: run the pipeline flow, then print a short summary."""
-    with one_line_user_errors():
+    """`journeys pipeline`: run the pipeline flow, then print a short summary. With no
+    Prefect API configured, the run reports to a server that dies with this process."""
+    from flows.prefect_server import run_server
+
+    with run_server(), one_line_user_errors():
         summary = pipeline_flow(config=config)
     print(text.console_summary(summary))
     return summary

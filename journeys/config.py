@@ -721,6 +721,12 @@ def with_features(config: Config, features: list[str]) -> Config:
     return config.model_copy(update={"data": data})
 
 
+def without_secrets(config: Config) -> Config:
+    """`config` as its JSON form has it, every password in a URI redacted: what work that
+    never connects with them (an ingest partition) carries to another process or machine."""
+    return Config.model_validate_json(config.model_dump_json())
+
+
 def with_absolute_paths(config: Config) -> Config:
     """`config` with every `paths.*` absolute, resolved against this process's working
     folder: a worker started elsewhere (a Dask worker, a process pool) would resolve a

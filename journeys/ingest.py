@@ -36,7 +36,15 @@ from typing import Any
 
 import polars as pl
 
-from journeys.config import FLAG_TS, FROM_FLAG, SEQUENCE_COLUMN, Config, Data, with_features
+from journeys.config import (
+    FLAG_TS,
+    FROM_FLAG,
+    SEQUENCE_COLUMN,
+    Config,
+    Data,
+    with_features,
+    without_secrets,
+)
 from journeys.datasets import (
     FINISHED_PART,
     NO_SPLIT,
@@ -1014,7 +1022,8 @@ MapPartitions = Callable[[PartitionBuilder, list[int]], list[PartitionResult]]
 class BuildPartition:
     """Pass 2 for one user bucket: the rows the last run kept open and the new ones.
 
-    A plain picklable object, so a task runner can ship it to worker processes.
+    A plain picklable object, so a task runner can ship it to worker processes; its
+    configuration holds no password (`without_secrets`): the partitions never connect.
     """
 
     config: Config
@@ -1115,7 +1124,7 @@ def run_ingest(
         built.mkdir()
         data_end = max_or_none(previous.data_end if previous else None, staged.data_end)
         build = BuildPartition(
-            config, staged.partitions,
+            without_secrets(config), staged.partitions,
             previous.folder / STATE_DIR if previous else None,
             built, closing_horizon(data_end, config),
         )  # fmt: skip

@@ -599,7 +599,7 @@ def chunks_in_pool(task_runner: str, workers: int | None) -> MapChunks | None:
 @contextlib.contextmanager
 def shared_cores(score: ScoreChunk, workers: int | None) -> Iterator[ScoreChunk]:
     """`score` for one of `workers` workers on this machine, each with its share of the
-    cores for PyTorch (None: as it is; a Dask worker sizes its own). PyTorch's thread count
+    cores for PyTorch (None: as it is; a Dask task takes its worker's). PyTorch's thread count
     is restored afterwards: thread workers set it for the whole process."""
     import torch
 
