@@ -1,4 +1,4 @@
-"""Child processes that never outlive their supervisor: `run_supervised`.
+"""Child processes that never outlive their supervisor: `run_supervised`, `tethered`.
 
 A supervised command runs in a process group (and session) of its own, so a terminal's
 Ctrl+C or a scheduler's SIGTERM reaches only the supervisor, which then stops the WHOLE
@@ -6,8 +6,13 @@ group, grandchildren included (an `mlflow ui` server and its workers, DDP ranks)
 first, SIGKILL after a grace period. The same happens on a timeout, and when the command
 exits while processes it started are still running.
 
+`tethered` covers what no supervisor can: its own death by SIGKILL. A watcher process
+holds the read end of a pipe whose write end only the supervisor has; when the pipe
+closes, however the supervisor ended, the watcher stops the command's group.
+
 Standard library only (Linux and macOS: process groups); the flows use it for training in
-its own process, `journeys ui` for the MLflow server.
+its own process and for the Prefect server a run reports to, `journeys ui` for the MLflow
+server.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import queue
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import FrameType
-from typing import IO
+from typing import IO, Any
 
 GRACE_S = 8.0  # after SIGTERM, before SIGKILL
 KILL_WAIT_S = 2.0  # after SIGKILL, before giving up on a process that will not go
@@ -75,6 +81,47 @@ def run_supervised(
             raise
         stop_group(process, grace)  # what it started and left running
     return code
+
+
+@contextlib.contextmanager
+def tethered(command: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen]:
+    """Run `command` for the block and never past this process, even one killed with
+    SIGKILL. The command runs under a watcher (`python -m journeys.processes`) in a group
+    of its own; the watcher reads a pipe only this process writes to, and when the pipe
+    closes (the block ends, this process dies) it stops the command's whole group.
+    Yields the watcher, which exits when the command does; `popen`: its output, env."""
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "journeys.processes", *command],
+        stdin=subprocess.PIPE,
+        start_new_session=True,  # a terminal's Ctrl+C reaches this process alone
+        **popen,
+    )
+    try:
+        yield watcher
+    finally:
+        assert watcher.stdin is not None
+        watcher.stdin.close()  # the watcher stops the command, then exits
+        try:
+            watcher.wait(GRACE_S + KILL_WAIT_S + DRAIN_S)
+        except subprocess.TimeoutExpired:
+            stop_group(watcher)
+
+
+def watch(command: Sequence[str]) -> int:
+    """The watcher of `tethered`: run `command` in a group of its own until it exits or
+    standard input closes; return its exit code."""
+    process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def stop_when_closed() -> None:
+        sys.stdin.buffer.read()  # returns at end of input: the starter is done or gone
+        stop_group(process)
+
+    threading.Thread(target=stop_when_closed, daemon=True).start()
+    with _sigterm_raises():
+        try:
+            return process.wait()
+        finally:
+            stop_group(process)
 
 
 def stop_group(process: subprocess.Popen, grace: float = GRACE_S) -> None:
@@ -212,3 +259,7 @@ def _sigterm_raises():
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+if __name__ == "__main__":  # the watcher `tethered` starts
+    sys.exit(watch(sys.argv[1:]))

@@ -219,3 +219,97 @@ def test_a_command_that_exits_is_not_held_open_by_a_grandchild() -> None:
     assert time.monotonic() - started < 10
     sleepers = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "60"]]
     assert not sleepers
+
+
+# ----------------------------------------------------------------------------- tethered
+
+TETHER_STOP_S = 30  # the watcher's SIGTERM grace and SIGKILL wait, with room to spare
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    import psutil
+
+    try:
+        psutil.Process(pid).wait(timeout=timeout)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
+def test_a_tethered_command_dies_with_its_starter_even_after_sigkill() -> None:
+    import psutil
+
+    script = (
+        "import sys, time\n"
+        "from journeys.processes import tethered\n"
+        "with tethered(['sleep', '300']) as watcher:\n"
+        "    print(watcher.pid, flush=True)\n"
+        "    time.sleep(300)\n"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert starter.stdout is not None
+        watcher = psutil.Process(int(starter.stdout.readline()))
+        deadline = time.monotonic() + 10
+        while not (sleepers := watcher.children()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.cmdline() for p in sleepers] == [["sleep", "300"]]
+        starter.kill()  # SIGKILL: no clean-up of its own runs
+        starter.wait()
+        assert _wait_gone(sleepers[0].pid, TETHER_STOP_S), "the command outlived its starter"
+        assert _wait_gone(watcher.pid, TETHER_STOP_S)
+    finally:
+        starter.kill()
+
+
+def test_a_tethered_command_stops_when_the_block_ends() -> None:
+    import psutil
+
+    from journeys.processes import tethered
+
+    with tethered(["sleep", "300"]) as watcher:
+        deadline = time.monotonic() + 10
+        while not (sleepers := psutil.Process(watcher.pid).children()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert watcher.returncode is not None
+    assert _wait_gone(sleepers[0].pid, 1)
+
+
+@pytest.mark.slow
+def test_journeys_pipeline_killed_with_sigkill_leaves_no_prefect_server(tmp_path: Path) -> None:
+    """With no Prefect API configured, `journeys pipeline` reports to a temporary server
+    of its own, which goes when the command is killed, however it is killed."""
+    from tests.test_reliability import ENV, TINY, cli, path_args, sets
+
+    env = {**ENV, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    tracking = f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"
+    command = cli("pipeline", *path_args(tmp_path, tmp_path / "raw"), *sets(*TINY, tracking))
+    pipeline = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert pipeline.stderr is not None
+        assert pipeline.stderr.readline().startswith("Prefect: a temporary server on")
+        deadline = time.monotonic() + 60
+        while not (servers := _prefect_servers_under(pipeline.pid)):
+            assert pipeline.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        pipeline.kill()
+        pipeline.wait()
+        assert _wait_gone(servers[0].pid, TETHER_STOP_S), servers[0].cmdline()
+    finally:
+        pipeline.kill()
+
+
+def _prefect_servers_under(pid: int) -> list:
+    import psutil
+
+    try:
+        family = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    return [p for p in family if "server start" in " ".join(p.cmdline())]

@@ -90,15 +90,15 @@ def test_ui_warns_when_the_user_exposes_it(monkeypatch: pytest.MonkeyPatch, caps
 
 
 def test_prefect_server_started_by_serve_binds_to_loopback() -> None:
-    """The only other server the product starts (`journeys serve` when no Prefect API is
-    configured) is `prefect server start --host 127.0.0.1`."""
+    """The only other server the product starts (`journeys serve` and `journeys pipeline`
+    when no Prefect API is configured) is `prefect server start --host 127.0.0.1`."""
     import inspect
 
-    from flows import deployments
+    from flows import deployments, prefect_server
 
-    source = inspect.getsource(deployments.prefect_server)
+    source = inspect.getsource(prefect_server._started)
     assert '"server", "start", "--host", "127.0.0.1"' in source
-    assert "0.0.0.0" not in inspect.getsource(deployments)
+    assert "0.0.0.0" not in inspect.getsource(deployments) + inspect.getsource(prefect_server)
 
 
 # ----------------------------------------------------------------------------- no unpickling

@@ -1,0 +1,129 @@
+"""The Prefect server a command's runs report to: `PREFECT_API_URL` when set, else one started
+here that never outlives this process, not even one killed with SIGKILL
+(`journeys.processes.tethered`). Prefect's own temporary server, which a flow run starts when
+no API is set, stops only when its process exits normally: after a `kill -9` it runs on with
+no parent.
+
+- `run_server`: for `journeys pipeline`, on a free port of 127.0.0.1, for one run.
+- `scheduling_server`: for `journeys serve`, on 127.0.0.1:4200 (reused when one answers there),
+  with the scheduler that deployments' schedules need.
+"""
+
+from __future__ import annotations
+
+from flows import _env  # noqa: F401  # isort: skip  (environment defaults before Prefect)
+
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+from journeys.errors import JourneysError
+from journeys.processes import tethered
+
+LOCAL_API = "http://127.0.0.1:4200/api"
+POLL_S = 0.5
+
+
+def answers(api_url: str) -> bool:
+    """A Prefect API answers at `api_url` (its health check)."""
+    try:
+        with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=2):
+            return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def configured_api() -> str | None:
+    """The API in Prefect's settings (`PREFECT_API_URL`, a profile), if any."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    return str(url) if url else None
+
+
+@contextlib.contextmanager
+def run_server() -> Iterator[str]:
+    """The API URL this process's runs report to: the configured one, else a server
+    started on a free port for the block (its runs kept in Prefect's home database, as
+    Prefect's own temporary server keeps them)."""
+    if configured := configured_api():
+        yield configured
+        return
+    port = _free_port()
+    print(
+        f"Prefect: a temporary server on http://127.0.0.1:{port} for this run "
+        "(set PREFECT_API_URL to report to a server of your own)",
+        file=sys.stderr,
+    )
+    with _started(port, "--no-ui", "--no-scheduler") as api_url:
+        yield api_url
+
+
+@contextlib.contextmanager
+def scheduling_server() -> Iterator[str]:
+    """The API URL of a Prefect server with a scheduler: the configured one, else one
+    answering on 127.0.0.1:4200, else one started there for the block."""
+    if configured := configured_api():
+        yield configured
+        return
+    if answers(LOCAL_API):
+        with _reporting_to(LOCAL_API):
+            yield LOCAL_API
+        return
+    print("starting a local Prefect server (prefect server start) on 127.0.0.1:4200")
+    with _started(4200) as api_url:
+        yield api_url
+
+
+@contextlib.contextmanager
+def _started(port: int, *options: str) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1:`port` for the block, tethered to this process;
+    its log in a temporary file (a pipe nobody reads would fill and stall it)."""
+    from prefect.settings import get_current_settings
+
+    api_url = f"http://127.0.0.1:{port}/api"
+    # One home for how long a start may take (a first start migrates a new database).
+    timeout = get_current_settings().server.ephemeral.startup_timeout_seconds
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+               "--port", str(port), *options]  # fmt: skip
+    with tempfile.TemporaryFile() as log, tethered(command, stderr=log) as watcher:
+        deadline = time.monotonic() + timeout
+        while not answers(api_url):
+            if watcher.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                error = log.read().decode(errors="replace")
+                last = (error.strip().splitlines() or ["no output"])[-1]
+                raise JourneysError(f"the Prefect server did not start: {last}")
+            time.sleep(POLL_S)
+        with _reporting_to(api_url):
+            yield api_url
+
+
+@contextlib.contextmanager
+def _reporting_to(api_url: str) -> Iterator[None]:
+    """Prefect's settings, and the environment of the processes started meanwhile (flow
+    runs `serve` starts, training in its own process), point at `api_url`."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    before = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = api_url
+    try:
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = before
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
