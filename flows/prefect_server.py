@@ -28,6 +28,7 @@ from journeys.processes import tethered
 
 LOCAL_API = "http://127.0.0.1:4200/api"
 POLL_S = 0.5
+DRAIN_TIMEOUT_S = 5.0  # Prefect's own bound on sending what its workers hold
 
 
 def answers(api_url: str) -> bool:
@@ -101,8 +102,21 @@ def _started(port: int, *options: str) -> Iterator[str]:
                 last = (error.strip().splitlines() or ["no output"])[-1]
                 raise JourneysError(f"the Prefect server did not start: {last}")
             time.sleep(POLL_S)
-        with _reporting_to(api_url):
-            yield api_url
+        try:
+            with _reporting_to(api_url):
+                yield api_url
+        finally:
+            _send_what_is_queued()
+
+
+def _send_what_is_queued() -> None:
+    """Send the run logs and events Prefect still holds while the server is up: Prefect
+    sends them at exit otherwise, to a server gone ("Error logging to API")."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
+    EventsWorker.drain_all(timeout=DRAIN_TIMEOUT_S)
 
 
 @contextlib.contextmanager
