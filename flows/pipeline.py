@@ -600,14 +600,18 @@ def attribution_flow(
 
 
 def servers_used(config: Config) -> dict[str, str | None]:
-    """The MLflow store and Prefect API this run used (passwords redacted); None: the
-    temporary Prefect server a run starts when no `PREFECT_API_URL` is set."""
+    """The MLflow store and Prefect API this run used (passwords redacted); None: a
+    temporary Prefect server, gone with the run (its runs stay in Prefect's home database,
+    which `prefect server start` shows)."""
     from prefect.settings import get_current_settings
 
+    from flows.prefect_server import started_here
+
     api = get_current_settings().api.url
+    temporary = api is None or started_here(str(api))
     return {
         "mlflow": redact_uri(tracking.tracking_uri(config)),
-        "prefect": redact_uri(str(api)) if api else None,
+        "prefect": None if temporary else redact_uri(str(api)),
     }
 
 

@@ -16,6 +16,7 @@ from flows import _env  # noqa: F401  # isort: skip  (environment defaults befor
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +30,12 @@ from journeys.processes import tethered
 LOCAL_API = "http://127.0.0.1:4200/api"
 POLL_S = 0.5
 DRAIN_TIMEOUT_S = 5.0  # Prefect's own bound on sending what its workers hold
+_started_here: set[str] = set()  # API URLs of the servers this process runs
+
+
+def started_here(api_url: str) -> bool:
+    """`api_url` is a server this process started (gone when it ends)."""
+    return api_url in _started_here
 
 
 def answers(api_url: str) -> bool:
@@ -93,7 +100,10 @@ def _started(port: int, *options: str) -> Iterator[str]:
     timeout = get_current_settings().server.ephemeral.startup_timeout_seconds
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                "--port", str(port), *options]  # fmt: skip
-    with tempfile.TemporaryFile() as log, tethered(command, stderr=log) as watcher:
+    with (
+        tempfile.TemporaryFile() as log,
+        tethered(command, stdout=subprocess.DEVNULL, stderr=log) as watcher,
+    ):
         deadline = time.monotonic() + timeout
         while not answers(api_url):
             if watcher.poll() is not None or time.monotonic() > deadline:
@@ -102,11 +112,13 @@ def _started(port: int, *options: str) -> Iterator[str]:
                 last = (error.strip().splitlines() or ["no output"])[-1]
                 raise JourneysError(f"the Prefect server did not start: {last}")
             time.sleep(POLL_S)
+        _started_here.add(api_url)
         try:
             with _reporting_to(api_url):
                 yield api_url
         finally:
             _send_what_is_queued()
+            _started_here.discard(api_url)
 
 
 def _send_what_is_queued() -> None:

@@ -308,6 +308,26 @@ def test_pipeline_summary_names_the_servers_used() -> None:
     assert "prefect server start" in prefect_ui(local)
 
 
+def test_a_temporary_prefect_server_is_not_named_as_where_to_see_the_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server `journeys pipeline` starts goes with it: the summary says how to see the
+    runs afterwards instead of naming its address."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import prefect_server
+    from flows.pipeline import servers_used
+    from journeys.config import load_config
+
+    config = load_config(None, [])
+    temporary, shared = "http://127.0.0.1:41234/api", "http://prefect.internal:4200/api"
+    monkeypatch.setattr(prefect_server, "_started_here", {temporary})
+    with temporary_settings({PREFECT_API_URL: temporary}):
+        assert servers_used(config)["prefect"] is None
+    with temporary_settings({PREFECT_API_URL: shared}):
+        assert servers_used(config)["prefect"] == shared
+
+
 def test_tracking_uri_password_is_not_in_error_messages(tmp_path: Path) -> None:
     """`journeys train` against an unreachable server with user:password@ in the URI:
     the one-line error names the server but not the password."""
