@@ -5,7 +5,7 @@ They are the `orchestration` section of the configuration (`journeys.config.Orch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from journeys.config import (
     Config,
@@ -18,6 +18,8 @@ from journeys.errors import ConfigError, JourneysError
 
 if TYPE_CHECKING:
     from prefect.task_runners import TaskRunner
+
+LOCAL_DASHBOARD = "127.0.0.1:8787"  # a local Dask cluster's dashboard: this machine only
 
 
 def orchestration(config: Config) -> Orchestration:
@@ -46,7 +48,10 @@ def make_task_runner(settings: Orchestration) -> TaskRunner:
                 "redacted: authenticate to Dask with TLS certificates (tls://), not a password"
             )
         return DaskTaskRunner(address=settings.dask_address)
-    cluster = {"n_workers": settings.max_workers} if settings.max_workers else {}
+    # A local cluster: Dask's dashboard would listen on every interface (":8787").
+    cluster: dict[str, Any] = {"dashboard_address": LOCAL_DASHBOARD}
+    if settings.max_workers:
+        cluster["n_workers"] = settings.max_workers
     return DaskTaskRunner(cluster_kwargs=cluster)
 
 

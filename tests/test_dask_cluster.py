@@ -336,3 +336,23 @@ def test_a_worker_that_cannot_see_a_folder_or_reach_the_api_is_named(tmp_path: P
     assert AUTH_SECRET not in str(unreachable.value)
     assert "reports to a temporary Prefect server of its own" in str(elsewhere.value)
     assert f"set PREFECT_API_URL={api_url}" in str(elsewhere.value)
+
+
+def test_a_local_dask_cluster_listens_on_loopback_only() -> None:
+    """`task_runner=dask` with no address starts a local cluster: its scheduler, dashboard
+    and workers listen on 127.0.0.1 alone."""
+    from flows.settings import Orchestration, make_task_runner
+
+    with make_task_runner(Orchestration(task_runner="dask", max_workers=1)) as runner:
+        client = runner.client
+        workers = [psutil.Process(p) for p in client.run(os.getpid).values()]
+        listening = {
+            (process.pid, conn.laddr.ip)
+            for process in [psutil.Process(), *workers]
+            for conn in process.net_connections("inet")
+            if conn.status == psutil.CONN_LISTEN
+        }
+        assert "127.0.0.1" in client.dashboard_link
+
+    assert workers and any(pid == os.getpid() for pid, _ in listening), listening
+    assert {ip for _, ip in listening} == {"127.0.0.1"}, listening
