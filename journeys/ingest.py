@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -269,22 +270,26 @@ def stage(
     quarantine = sorted(quarantine_dir.glob("*.parquet")) if quarantine_dir else []
     valid = [f for p in buckets.values() for f in p.glob("*.parquet")]
     files = valid + quarantine
-    rows_read = pl.scan_parquet(files).select(pl.len()).collect().item() if files else 0
-    data_end = pl.scan_parquet(valid).select(pl.col(TS).max()).collect().item() if valid else None
+    # Every count from one pass over the staged rows: by source and reason (null: valid).
+    counted = (
+        pl.scan_parquet(files)
+        .group_by(SOURCE, REASON)
+        .agg(n=pl.len().cast(pl.Int64), end=pl.col(TS).max())
+        if files
+        else pl.LazyFrame(schema={SOURCE: pl.String, REASON: pl.String, "n": pl.Int64})
+    ).collect()
+    rows_read = int(counted.get_column("n").sum())
+    valid_rows = counted.filter(pl.col(REASON).is_null())
+    data_end = valid_rows.get_column("end").max() if valid_rows.height else None
     quarantined = dict.fromkeys(REASONS, 0)
+    bad = counted.filter(pl.col(REASON).is_not_null())
+    quarantined |= dict(bad.group_by(REASON).agg(pl.col("n").sum()).iter_rows())  # type: ignore[arg-type]
     by_source = {str(source): {"rows": 0, "quarantined": 0} for source in sources}
-    if files:
-        per_source = (
-            pl.scan_parquet(files)
-            .group_by(SOURCE)
-            .agg(rows=pl.len(), quarantined=pl.col(REASON).is_not_null().sum())
-            .collect()
-        )
-        for row in per_source.iter_rows(named=True):
-            by_source[row[SOURCE]] = {"rows": row["rows"], "quarantined": row["quarantined"]}
-    if quarantine:
-        counts = pl.scan_parquet(quarantine).group_by(REASON).len().collect()
-        quarantined |= dict(counts.iter_rows())  # type: ignore[arg-type]
+    per_source = counted.group_by(SOURCE).agg(
+        rows=pl.col("n").sum(), quarantined=pl.col("n").filter(pl.col(REASON).is_not_null()).sum()
+    )
+    for row in per_source.iter_rows(named=True):
+        by_source[row[SOURCE]] = {"rows": row["rows"], "quarantined": row["quarantined"]}
     left_out = [name for name in config.data.features if name not in scanned.features]
     return Staged(
         folder, dict(sorted(buckets.items())), quarantine, rows_read, scanned.sources,
@@ -385,13 +390,17 @@ def build_partition(
     )
     # A row stays for the next run from its user's first open visit on (a twin of it can
     # only come within that bound); the others are settled, and so are their counts.
+    # (The mask from the two columns it needs: joining every column would copy them all.)
     keep_from = pl.min_horizontal(pl.col(OPEN_FROM), pl.lit(horizon, UTC_US))
-    marked = rows.with_columns(pl.col("user_id").str.strip_chars().alias("_user")).join(
-        built.open_from.rename({"user_id": "_user"}), on="_user", how="left"
+    stays = (
+        rows.select(pl.col("user_id").str.strip_chars(), TS)
+        .join(built.open_from, on="user_id", how="left", maintain_order="left")
+        .select((pl.col(TS) >= keep_from).fill_null(False))
+        .to_series()
+        if horizon is not None
+        else pl.repeat(False, rows.height, eager=True)
     )
-    stays = (pl.col(TS) >= keep_from).fill_null(False) if horizon is not None else pl.lit(False)
-    marked = marked.with_columns(stays.alias("_stays")).drop("_user", OPEN_FROM)
-    open_rows = marked.filter(pl.col("_stays")).drop("_stays", REASON, strict=False)
+    open_rows = rows.filter(stays).drop(REASON, strict=False)
     # Clean counts are additive (a row and its copies fall on the same side): count the
     # smaller side again and take the other as the rest (a full build settles most rows,
     # a nightly run keeps most open).
@@ -399,7 +408,7 @@ def build_partition(
         _, provisional = cleaned_counts(open_rows, data)
         settled = cleaned - provisional
     else:
-        _, settled = cleaned_counts(marked.filter(~pl.col("_stays")).drop("_stays"), data)
+        _, settled = cleaned_counts(rows.filter(~stays), data)
     after_conversion = Counts(
         dropped_by_config=built.dropped_after_settled,
         dropped_after_conversion=built.dropped_after_settled,
@@ -1103,7 +1112,12 @@ def run_ingest(
     late_before = None
     if previous is not None and previous.data_end is not None:
         late_before = previous.data_end - config.ingest.late_allowed_delta
-    with scratch_dir(journeys_folder.parent, "ingest") as scratch:
+    with (
+        scratch_dir(journeys_folder.parent, "ingest") as scratch,
+        ThreadPoolExecutor(max_workers=1) as hasher,
+    ):
+        # The manifest's hashes of the new files, read meanwhile (hashing frees the GIL).
+        fingerprints = hasher.map(fingerprint, [Path(source) for source in sources])
         staged = stage(config, scratch / "staged", sources, late_before)
         if staged.features != config.data.features:  # default features the log lacks
             if previous is not None:
@@ -1132,8 +1146,9 @@ def run_ingest(
         parts = (map_partitions or map_in_order)(build, buckets)
         if len(parts) != len(buckets):
             raise AssertionError(f"{len(parts)} results for {len(buckets)} partitions")
+        hashed = {str(s): found for s, found in zip(sources, fingerprints, strict=True)}
         files = {
-            file_key(source): fingerprint(Path(source))
+            file_key(source): hashed[source]
             | {k: staged.by_source[source][k] for k in ("rows", "quarantined")}
             for source in staged.sources
         }
