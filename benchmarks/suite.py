@@ -7,8 +7,8 @@ logs of `benchmarks/public_logs.py` that were brought in; a missing one is skipp
 said) this ingests once with the log's configuration and trains with each variant, then
 prints one table: split sizes, test ROC AUC with its interval, the ROC AUC of a
 generator's true probability on the same test labels, the best val ROC AUC,
-`hgb_aggregates` on the same test split, the two stacked (a logistic regression on both
-logits, fitted on val), the champion decision, and the attention deletion test (mean drop
+`hgb_aggregates` on the same test split, the champion decision, and the attention deletion
+test (mean drop
 in probability when each test journey loses its most-attended event, against a random
 one: above 1 means attention finds what matters).
 
@@ -157,7 +157,6 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
                 "stacked_val_roc_auc", metrics.get("best_val_roc_auc", float("nan"))
             ),
             "hgb_aggregates": result.baselines["hgb_aggregates"].metrics["test_roc_auc"],
-            "stacked": stacked_test_auc(result),
             "champion": training_summary(
                 tracking_uri(config), result.run_id, config.mlflow.registered_model
             )["champion_check"],
@@ -165,27 +164,6 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
         }
         rows.append(row)
     return rows
-
-
-def stacked_test_auc(result) -> float:
-    """Test ROC AUC of a logistic regression on the transformer's and `hgb_aggregates`'
-    logits, fitted on val: what stacking the two would give (measured, not shipped)."""
-    import numpy as np
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import roc_auc_score
-
-    def logits(frame: pl.DataFrame, baseline: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-        joined = frame.join(baseline, on="journey_id", suffix="_hgb")
-        p = joined.select("probability", "probability_hgb").to_numpy().clip(1e-6, 1 - 1e-6)
-        return np.log(p / (1 - p)), joined.get_column("label").to_numpy()
-
-    hgb = result.baselines["hgb_aggregates"]
-    x_val, y_val = logits(result.val_predictions, hgb.val_scores)
-    x_test, y_test = logits(result.test_predictions, hgb.test_scores)
-    if len(set(y_val)) < 2 or len(set(y_test)) < 2:
-        return float("nan")
-    stack = LogisticRegression().fit(x_val, y_val)
-    return float(roc_auc_score(y_test, stack.decision_function(x_test)))
 
 
 def attention_deletion(model_uri: str, config, test: pl.DataFrame) -> float:
@@ -224,27 +202,24 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
         "True p on test: the ROC AUC of a generator's true probability on the same test "
         "labels, the best any model can do there (the second generator's is a function of "
         "what its log shows; the simulator's Bayes gap in expectation is "
-        "`benchmarks/quality.py`'s). Stacked: a logistic regression on the transformer's and "
-        "`hgb_aggregates`' logits, fitted on val, on test. Served: the registered model's "
+        "`benchmarks/quality.py`'s). Served: the registered model's "
         "(the stack with `train.stack`); its val ROC AUC is the best checkpoint's, or the "
         "stack's cross-fitted on val.",
         "",
         "| log | variant | train/val/test | served test ROC AUC [95%] | true p on test | val ROC AUC "
-        "| hgb_aggregates test | stacked test | deletion (attention) | champion decision "
-        "| seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| hgb_aggregates test | deletion (attention) | champion decision | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "outcome" in row:
-            lines.append(f"| {row['log']} | {row['variant']} | {row['outcome']} |||||||||")
+            lines.append(f"| {row['log']} | {row['variant']} | {row['outcome']} ||||||||")
             continue
         low, high = row["ci"]
         bayes = "" if math.isnan(row["bayes"]) else f"{row['bayes']:.4f}"
         lines.append(
             f"| {row['log']} | {row['variant']} | {row['n']} | {row['test_auc']:.4f} "
             f"[{low:.3f}, {high:.3f}] | {bayes} | {row['val_auc']:.4f} "
-            f"| {row['hgb_aggregates']:.4f} | {row['stacked']:.4f} "
-            f"| {row['deletion']:.2f}x | {row['champion']} | {row['seconds']:.0f} |"
+            f"| {row['hgb_aggregates']:.4f} | {row['deletion']:.2f}x | {row['champion']} | {row['seconds']:.0f} |"
         )
     lines += ["", *(f"- Not in this run: {line}." for line in skipped), ""]
     return "\n".join(lines)

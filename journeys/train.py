@@ -99,10 +99,9 @@ class TrainResult:
     promoted: bool
     checkpoint: str
     baselines: dict[str, BaselineRun] = field(default_factory=dict)
-    # journey_id, label, probability (uncalibrated) on the test and val splits, from the
-    # in-memory model
+    # journey_id, label, probability (uncalibrated) on the test split, from the in-memory
+    # model
     test_predictions: pl.DataFrame | None = None
-    val_predictions: pl.DataFrame | None = None
 
 
 def train_command(
@@ -198,7 +197,7 @@ def train_command(
         print_comparison(rows, sizes["test"])
         flag_baselines_ahead(run, scores, baselines)
 
-    test, val_split = fitted.datamodule.splits["test"], fitted.datamodule.splits["val"]
+    test = fitted.datamodule.splits["test"]
     return TrainResult(
         run_id=run.run_id,
         experiment_id=run.experiment_id,
@@ -210,7 +209,6 @@ def train_command(
         checkpoint=best,
         baselines=baselines,
         test_predictions=predictions(test, evaluation.test_logits),
-        val_predictions=predictions(val_split, evaluation.val_logits),
     )
 
 
@@ -503,7 +501,6 @@ class BaselineRun:
     run_id: str | None
     metrics: dict[str, float]
     val_scores: pl.DataFrame  # journey_id, probability: what promotion compares
-    test_scores: pl.DataFrame  # journey_id, probability: reported beside the transformer's
 
 
 def run_baselines_beside(
@@ -530,13 +527,9 @@ def run_baselines_beside(
             )
     run.set_tags(group)
     ids = val.get_column("journey_id")
-    test_ids = frame.filter(pl.col("split") == "test").get_column("journey_id")
     return {
         r.name: BaselineRun(
-            r.run_id,
-            r.metrics,
-            pl.DataFrame({"journey_id": ids, "probability": r.val_probs}),
-            pl.DataFrame({"journey_id": test_ids, "probability": r.probs}),
+            r.run_id, r.metrics, pl.DataFrame({"journey_id": ids, "probability": r.val_probs})
         )
         for r in results
     }
