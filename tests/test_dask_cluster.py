@@ -125,21 +125,26 @@ def dask_cluster(folder: Path, worker_env: dict[str, str] | None = None) -> Iter
                 straggler.kill()
 
 
-def prefect_servers() -> set[int]:
-    """Pids of the Prefect API servers running on this machine (temporary or not)."""
-    found = set()
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        line = " ".join(process.info["cmdline"] or [])
-        if "prefect.server.api.server:create_app" in line or "prefect server start" in line:
-            found.add(process.info["pid"])
+def prefect_servers(processes: list[psutil.Process]) -> list[list[str]]:
+    """The command lines of the Prefect API servers (temporary or not) among `processes`
+    still running."""
+    found = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            line = process.cmdline()
+            joined = " ".join(line)
+            server = "prefect.server.api.server:create_app" in joined or "server start" in joined
+            if server and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(line)
     return found
 
 
-def ours(pid: int) -> bool:
-    """Started by this test process (the flow's own temporary server)."""
-    with contextlib.suppress(psutil.NoSuchProcess):
-        return any(p.pid == os.getpid() for p in psutil.Process(pid).parents())
-    return False
+def descendants(processes: list[subprocess.Popen]) -> list[psutil.Process]:
+    family = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family += psutil.Process(process.pid).children(recursive=True)
+    return family
 
 
 def task_runs(flow_name: str) -> list[Any]:
@@ -183,7 +188,6 @@ def test_ingest_and_scoring_on_a_dask_cluster_equal_the_thread_runner(tmp_path: 
     from journeys.datasets import read_journeys
     from journeys.simulate import simulate
 
-    servers_before = prefect_servers()
     simulate(tmp_path / "raw", users=300, seed=5)
     with isolated(tmp_path) as mp, dask_cluster(tmp_path / "workers") as cluster:
         # The reference: the whole pipeline on threads (ingest, train, score).
@@ -202,16 +206,17 @@ def test_ingest_and_scoring_on_a_dask_cluster_equal_the_thread_runner(tmp_path: 
             partition_runs = [
                 r for r in task_runs("ingest") if r.name.startswith("build-partition")
             ]
-            # No worker started a Prefect server; none is left after a worker's SIGKILL.
-            victim = psutil.Process(cluster.processes[1].pid)
-            victims = [victim, *victim.children(recursive=True)]
-            for process in victims:
-                process.kill()
-            psutil.wait_procs(victims, timeout=STOP_TIMEOUT_S)
-            time.sleep(1)
-            left = {pid for pid in prefect_servers() - servers_before if not ours(pid)}
-            assert not left, [psutil.Process(pid).cmdline() for pid in left]
+            # No process of the cluster started a Prefect server of its own (a worker
+            # without the flow's API would: one each) ...
+            family = descendants(cluster.processes)
+            started_servers = prefect_servers(family)
+            # ... and none is left when a worker (its nanny) is killed with SIGKILL.
+            cluster.processes[1].kill()
+            cluster.processes[1].wait()
+            psutil.wait_procs(family, timeout=STOP_TIMEOUT_S / 3)
+            left_servers = prefect_servers(family)
 
+    assert not started_servers and not left_servers, (started_servers, left_servers)
     # The 4 partitions and the score chunk(s) ran on the cluster's workers ...
     assert len(stream.data) >= 4 + 1, stream.data
     assert {task["worker"] for task in stream.data} <= workers
