@@ -249,7 +249,7 @@ def partitions_as_tasks(settings: Orchestration) -> ingest_lib.MapPartitions:
         build: ingest_lib.PartitionBuilder, partitions: list[int]
     ) -> list[ingest_lib.PartitionResult]:
         get_run_logger().info("building %d partition(s)", len(partitions))
-        needed = [build.scratch] if isinstance(build, ingest_lib.BuildPartition) else []
+        needed = build.paths() if isinstance(build, ingest_lib.BuildPartition) else []
         return map_as_tasks(
             build_partition_task, settings, ("build", build), ("partition", partitions), needed
         )
@@ -484,8 +484,8 @@ def train_flow(
 def score_chunk_task(score: ScoreChunk, chunk: tuple[int, int], index: int) -> ChunkScored:
     """One chunk of the journeys, scored into the scores' staging folder; on a Dask worker
     with PyTorch on the worker's share of the cores (not every core of its machine)."""
-    if score.torch_threads is None and (cores := cluster.worker_cores()):
-        score = dataclasses.replace(score, torch_threads=cores)
+    if score.torch_threads is None and (threads := cluster.worker_share(len(score.held))):
+        score = dataclasses.replace(score, torch_threads=threads)
     return score(index, chunk)
 
 
@@ -498,7 +498,7 @@ def chunks_as_tasks(settings: Orchestration) -> MapChunks:
         workers = min(settings.max_workers or len(chunks), len(chunks)) or None
         if settings.task_runner == "dask":  # a Dask worker's share is its --nthreads
             workers = None
-        needed = [score.staging, *{part.parent for part in score.parts}]
+        needed = score.paths()
         with shared_cores(score, workers) as shared:
             return map_as_tasks(
                 score_chunk_task, settings, ("score", shared), ("chunk", chunks), needed

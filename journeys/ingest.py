@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -83,7 +82,7 @@ from journeys.manifest import (
     Manifest,
     config_key,
     file_key,
-    fingerprint,
+    fingerprints_meanwhile,
     load_manifest,
     new_sources,
 )
@@ -1041,6 +1040,10 @@ class BuildPartition:
     scratch: Path
     horizon: datetime | None
 
+    def paths(self) -> list[Path]:
+        """The folders a worker reads and writes (it must see them at these paths)."""
+        return [self.scratch, *self.staged.values(), *([self.state] if self.state else [])]
+
     def __call__(self, bucket: int) -> PartitionResult:
         schema = {k: v for k, v in staged_schema(self.config).items() if k != REASON}
         kept = []
@@ -1114,10 +1117,8 @@ def run_ingest(
         late_before = previous.data_end - config.ingest.late_allowed_delta
     with (
         scratch_dir(journeys_folder.parent, "ingest") as scratch,
-        ThreadPoolExecutor(max_workers=1) as hasher,
+        fingerprints_meanwhile([Path(source) for source in sources]) as fingerprints,
     ):
-        # The manifest's hashes of the new files, read meanwhile (hashing frees the GIL).
-        fingerprints = hasher.map(fingerprint, [Path(source) for source in sources])
         staged = stage(config, scratch / "staged", sources, late_before)
         if staged.features != config.data.features:  # default features the log lacks
             if previous is not None:
@@ -1146,7 +1147,7 @@ def run_ingest(
         parts = (map_partitions or map_in_order)(build, buckets)
         if len(parts) != len(buckets):
             raise AssertionError(f"{len(parts)} results for {len(buckets)} partitions")
-        hashed = {str(s): found for s, found in zip(sources, fingerprints, strict=True)}
+        hashed = fingerprints()
         files = {
             file_key(source): hashed[source]
             | {k: staged.by_source[source][k] for k in ("rows", "quarantined")}

@@ -253,6 +253,11 @@ class ScoreChunk:
     held: tuple[list, ...] = ()  # each chunk's `segments`: what of which parts it holds
     reuse: Path | None = None  # earlier rows of finished journeys (`reusable_rows`)
 
+    def paths(self) -> list[Path]:
+        """The folders and files a worker reads and writes (it must see them here)."""
+        parents = sorted({part.parent for part in self.parts})
+        return [self.staging, *parents, *([self.reuse] if self.reuse else [])]
+
     def __call__(self, index: int, chunk: tuple[int, int]) -> ChunkScored:
         from journeys.inference import pick_device
 

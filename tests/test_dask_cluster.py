@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,8 @@ import pytest
 from conftest import free_port
 from test_flows import isolated, orchestrate, tiny_config
 
+from flows.prefect_server import api_answers
+
 pytestmark = pytest.mark.slow
 
 WORKERS = 2
@@ -43,6 +44,7 @@ STOP_TIMEOUT_S = 90
 SERVER_START_TIMEOUT_S = 120
 AUTH_SECRET = "prefect-S3cr3t-91d2"
 TRACKING_SECRET = "mlflow-S3cr3t-5e7a"
+HEADER_SECRET = "header-S3cr3t-0b4c"
 
 
 @dataclass
@@ -78,7 +80,8 @@ def dask_cluster(folder: Path, worker_env: dict[str, str] | None = None) -> Iter
     tls = ["--tls-ca-file", str(cert), "--tls-cert", str(cert), "--tls-key", str(key)]
     loopback = ["--dashboard-address", "127.0.0.1:0"]
     address = f"tls://127.0.0.1:{free_port()}"
-    env = {**os.environ, "POLARS_MAX_THREADS": "1", **(worker_env or {})}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
+    env |= {"POLARS_MAX_THREADS": "1", **(worker_env or {})}  # as given, nothing else
     quiet: dict[str, Any] = {"cwd": folder, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # fmt: skip
     processes = [
         subprocess.Popen(
@@ -219,7 +222,7 @@ def test_ingest_and_scoring_on_a_dask_cluster_equal_the_thread_runner(tmp_path: 
     assert not started_servers and not left_servers, (started_servers, left_servers)
     # The 4 partitions and the score chunk(s) ran on the cluster's workers ...
     assert len(stream.data) >= 4 + 1, stream.data
-    assert {task["worker"] for task in stream.data} <= workers
+    assert {task["worker"] for task in stream.data} == workers  # both took a share
     assert set(threads.values()) == {1}, threads
     # ... and the flow's Prefect API recorded them (not a server of the workers' own).
     assert [r.state_name for r in partition_runs] == ["Completed"] * 4, partition_runs
@@ -248,15 +251,9 @@ def prefect_server_with_auth(folder: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except urllib.error.HTTPError:
-                break  # it answers, asking for credentials
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "no server"
-                time.sleep(0.5)
+        while not api_answers(url):  # asking for credentials counts
+            assert server.poll() is None and time.monotonic() < deadline, "no server"
+            time.sleep(0.5)
         yield url
     finally:
         server.terminate()
@@ -266,7 +263,12 @@ def prefect_server_with_auth(folder: Path) -> Iterator[str]:
 def test_workers_use_their_own_secrets_and_none_is_shipped(tmp_path: Path) -> None:
     import dask.config
     import distributed.client
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_URL,
+        PREFECT_CLIENT_CUSTOM_HEADERS,
+        temporary_settings,
+    )
 
     from flows.pipeline import ingest_flow
     from journeys.datasets import read_journeys
@@ -290,7 +292,13 @@ def test_workers_use_their_own_secrets_and_none_is_shipped(tmp_path: Path) -> No
             {"PREFECT_API_URL": api_url, "PREFECT_API_AUTH_STRING": AUTH_SECRET},
         ) as cluster,
         dask.config.set(cluster.tls),
-        temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: AUTH_SECRET}),
+        temporary_settings(
+            {
+                PREFECT_API_URL: api_url,
+                PREFECT_API_AUTH_STRING: AUTH_SECRET,
+                PREFECT_CLIENT_CUSTOM_HEADERS: {"X-Journeys-Token": HEADER_SECRET},
+            }
+        ),
     ):
         mp.setattr(distributed.client, "serialize", recording)
         orchestrate(mp, task_runner="dask", dask_address=cluster.address)
@@ -305,6 +313,21 @@ def test_workers_use_their_own_secrets_and_none_is_shipped(tmp_path: Path) -> No
     assert str(tmp_path / "dask").encode() in everything  # the recording sees the tasks
     assert AUTH_SECRET.encode() not in everything
     assert TRACKING_SECRET.encode() not in everything
+    assert HEADER_SECRET.encode() not in everything
+
+
+def test_what_counts_as_a_secret_in_prefects_settings() -> None:
+    """A settings section holding one is left to the workers' own environment."""
+    from prefect.settings.models.api import APISettings
+    from prefect.settings.models.client import ClientSettings
+
+    from flows.cluster import holds_secret
+
+    assert holds_secret(APISettings(url="http://u:pw@prefect.internal:4200/api"))
+    assert holds_secret(APISettings(auth_string="admin:pw"))
+    assert not holds_secret(APISettings(url="http://prefect.internal:4200/api"))
+    assert holds_secret(ClientSettings(custom_headers={"Authorization": "Bearer x"}))
+    assert not holds_secret(ClientSettings())
 
 
 def test_a_worker_that_cannot_see_a_folder_or_reach_the_api_is_named(tmp_path: Path) -> None:
@@ -331,7 +354,7 @@ def test_a_worker_that_cannot_see_a_folder_or_reach_the_api_is_named(tmp_path: P
         with prefect_server_with_auth(tmp_path / "prefect") as api_url:
             check_workers(client, api_url, [tmp_path])
             with pytest.raises(ConfigError) as elsewhere:
-                check_workers(client, api_url, [tmp_path], own_api=True)
+                check_workers(client, api_url, [tmp_path], api_from_worker_env=True)
 
     assert str(tmp_path / "not-mounted") in str(unseen.value)
     assert "Dask worker tls://127.0.0.1:" in str(unseen.value)
@@ -345,19 +368,28 @@ def test_a_worker_that_cannot_see_a_folder_or_reach_the_api_is_named(tmp_path: P
 
 def test_a_local_dask_cluster_listens_on_loopback_only() -> None:
     """`task_runner=dask` with no address starts a local cluster: its scheduler, dashboard
-    and workers listen on 127.0.0.1 alone."""
+    and workers listen on 127.0.0.1 alone. Its worker shares its threads among chunks."""
+    from flows.cluster import worker_share
     from flows.settings import Orchestration, make_task_runner
 
     with make_task_runner(Orchestration(task_runner="dask", max_workers=1)) as runner:
         client = runner.client
         workers = [psutil.Process(p) for p in client.run(os.getpid).values()]
+        ours = [psutil.Process(), *psutil.Process().children(recursive=True)]  # nannies too
         listening = {
             (process.pid, conn.laddr.ip)
-            for process in [psutil.Process(), *workers]
+            for process in ours
             for conn in process.net_connections("inet")
             if conn.status == psutil.CONN_LISTEN
         }
         assert "127.0.0.1" in client.dashboard_link
+        # PyTorch threads per score chunk: the worker's --nthreads, shared by the chunks
+        # it may run at once (each thread sizes its own pool: never more in all).
+        (nthreads,) = client.nthreads().values()
+        shares = {n: client.submit(worker_share, n, pure=False).result() for n in (1, 2, 64)}
 
     assert workers and any(pid == os.getpid() for pid, _ in listening), listening
     assert {ip for _, ip in listening} == {"127.0.0.1"}, listening
+    assert shares[1] == nthreads and shares[64] == 1, shares
+    assert all(share * min(nthreads, n) <= nthreads for n, share in shares.items()), shares
+    assert worker_share(4) is None  # not on a worker: as it is
