@@ -41,6 +41,7 @@ WORK = ROOT / "data" / "bench" / "dask"
 PARTITIONS = 8
 CHUNK_JOURNEYS = 20_000
 START_TIMEOUT_S = 120
+STOP_TIMEOUT_S = 60
 
 
 @contextlib.contextmanager
@@ -49,10 +50,10 @@ def cluster(workers: int) -> Iterator[str]:
     TLS: this measures the work, not the handshake)."""
     from distributed import Client
 
+    from flows.prefect_server import free_port
+
     dask = str(Path(sys.executable).with_name("dask"))
-    with contextlib.closing(__import__("socket").socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     loopback = ["--dashboard-address", "127.0.0.1:0"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": WORK}
@@ -74,7 +75,10 @@ def cluster(workers: int) -> Iterator[str]:
         for process in processes:
             process.send_signal(signal.SIGTERM)
         for process in processes:
-            process.wait()
+            try:
+                process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def one_run(workers: int, raw: Path, model: Path, out: Path) -> dict[str, float]:

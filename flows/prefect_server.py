@@ -11,7 +11,7 @@ no parent.
 
 from __future__ import annotations
 
-from flows import _env  # noqa: F401  # isort: skip  (environment defaults before Prefect)
+from flows import _env  # isort: skip  (environment defaults before Prefect)
 
 import contextlib
 import os
@@ -28,8 +28,10 @@ from journeys.errors import JourneysError
 from journeys.processes import tethered
 
 LOCAL_API = "http://127.0.0.1:4200/api"
-POLL_S = 0.5
+HEALTH_POLL_S = 0.5  # between health checks of a server starting
+HEALTH_TIMEOUT_S = 2.0  # one health check of a server on this machine
 DRAIN_TIMEOUT_S = 5.0  # Prefect's own bound on sending what its workers hold
+ASKS_FOR_CREDENTIALS = (401, 403)  # a server with an auth string answers health so
 _started_here: set[str] = set()  # API URLs of the servers this process runs
 
 
@@ -38,13 +40,23 @@ def started_here(api_url: str) -> bool:
     return api_url in _started_here
 
 
-def answers(api_url: str) -> bool:
-    """A Prefect API answers at `api_url` (its health check)."""
+def api_answers(api_url: str, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+    """A Prefect API answers its health check at `api_url` (asking for credentials
+    counts: it is there)."""
     try:
-        with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=2):
+        with urllib.request.urlopen(api_url.rstrip("/") + "/health", timeout=timeout):
             return True
+    except urllib.error.HTTPError as err:
+        return err.code in ASKS_FOR_CREDENTIALS
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def configured_api() -> str | None:
@@ -63,7 +75,7 @@ def run_server() -> Iterator[str]:
     if configured := configured_api():
         yield configured
         return
-    port = _free_port()
+    port = free_port()
     print(
         f"Prefect: a temporary server on http://127.0.0.1:{port} for this run "
         "(set PREFECT_API_URL to report to a server of your own)",
@@ -80,7 +92,7 @@ def scheduling_server() -> Iterator[str]:
     if configured := configured_api():
         yield configured
         return
-    if answers(LOCAL_API):
+    if api_answers(LOCAL_API):
         with _reporting_to(LOCAL_API):
             yield LOCAL_API
         return
@@ -93,11 +105,8 @@ def scheduling_server() -> Iterator[str]:
 def _started(port: int, *options: str) -> Iterator[str]:
     """`prefect server start` on 127.0.0.1:`port` for the block, tethered to this process;
     its log in a temporary file (a pipe nobody reads would fill and stall it)."""
-    from prefect.settings import get_current_settings
-
     api_url = f"http://127.0.0.1:{port}/api"
-    # One home for how long a start may take (a first start migrates a new database).
-    timeout = get_current_settings().server.ephemeral.startup_timeout_seconds
+    timeout = _env.SERVER_START_TIMEOUT_S  # a first start migrates a new database
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                "--port", str(port), *options]  # fmt: skip
     with (
@@ -105,20 +114,25 @@ def _started(port: int, *options: str) -> Iterator[str]:
         tethered(command, stdout=subprocess.DEVNULL, stderr=log) as watcher,
     ):
         deadline = time.monotonic() + timeout
-        while not answers(api_url):
-            if watcher.poll() is not None or time.monotonic() > deadline:
+        while not api_answers(api_url):
+            if watcher.poll() is not None:
                 log.seek(0)
                 error = log.read().decode(errors="replace")
                 last = (error.strip().splitlines() or ["no output"])[-1]
-                raise JourneysError(f"the Prefect server did not start: {last}")
-            time.sleep(POLL_S)
+                raise JourneysError(f"the Prefect server on port {port} stopped: {last}")
+            if time.monotonic() > deadline:
+                raise JourneysError(
+                    f"the Prefect server on port {port} did not answer within {timeout} s: "
+                    "set PREFECT_API_URL to a running server"
+                )
+            time.sleep(HEALTH_POLL_S)
         _started_here.add(api_url)
         try:
             with _reporting_to(api_url):
                 yield api_url
         finally:
-            _send_what_is_queued()
             _started_here.discard(api_url)
+            _send_what_is_queued()
 
 
 def _send_what_is_queued() -> None:
@@ -147,9 +161,3 @@ def _reporting_to(api_url: str) -> Iterator[None]:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = before
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

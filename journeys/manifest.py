@@ -16,8 +16,12 @@ the manifest and the files it names always belong together.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,17 +87,38 @@ def file_key(path: str | Path) -> str:
     return str(Path(path).absolute())
 
 
-def content_hash(path: Path) -> str:
+def content_hash(path: Path, stop: threading.Event | None = None) -> str:
+    """SHA-256 of the file's bytes; raises `CancelledError` once `stop` is set."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(HASH_CHUNK):
+            if stop is not None and stop.is_set():
+                raise CancelledError(f"hashing {path} stopped")
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def fingerprint(path: Path) -> dict[str, Any]:
+def fingerprint(path: Path, stop: threading.Event | None = None) -> dict[str, Any]:
     stat = path.stat()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": content_hash(path)}
+    return {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "sha256": content_hash(path, stop),
+    }
+
+
+@contextlib.contextmanager
+def fingerprints_meanwhile(paths: list[Path]) -> Iterator[Callable[[], dict[str, Any]]]:
+    """Fingerprint `paths` in a thread of their own while the block reads the same files
+    (hashing frees the GIL); yields the function that waits for them ({str(path): ...}).
+    Leaving the block (an error, Ctrl+C) stops the hashing within one chunk."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        hashed = hasher.submit(lambda: {str(path): fingerprint(path, stop) for path in paths})
+        try:
+            yield hashed.result
+        finally:
+            stop.set()
 
 
 def unchanged(path: Path, recorded: dict[str, Any]) -> bool:

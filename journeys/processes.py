@@ -34,6 +34,7 @@ GRACE_S = 8.0  # after SIGTERM, before SIGKILL
 KILL_WAIT_S = 2.0  # after SIGKILL, before giving up on a process that will not go
 POLL_S = 0.05
 DRAIN_S = 1.0  # after the command exits, how long its last output may still arrive
+WATCHER_EXIT_S = GRACE_S + KILL_WAIT_S + 5.0  # a tether's watcher stopping its command
 _END = None  # the reader's last item: the output is closed
 
 
@@ -83,12 +84,29 @@ def run_supervised(
     return code
 
 
+# The write ends of the tethers' pipes, closed in a child forked without exec (a
+# DataLoader worker, say): one it held open would keep its tethered command running.
+_tether_pipes: set[int] = set()
+
+
+def _close_tether_pipes() -> None:
+    for fd in _tether_pipes:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _tether_pipes.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_tether_pipes)
+
+
 @contextlib.contextmanager
 def tethered(command: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen]:
     """Run `command` for the block and never past this process, even one killed with
     SIGKILL. The command runs under a watcher (`python -m journeys.processes`) in a group
     of its own; the watcher reads a pipe only this process writes to, and when the pipe
-    closes (the block ends, this process dies) it stops the command's whole group.
+    closes (the block ends, this process dies) it stops the command's whole group. Should
+    the watcher itself die, Linux stops the command (`PR_SET_PDEATHSIG`).
     Yields the watcher, which exits when the command does; `popen`: its output, env."""
     watcher = subprocess.Popen(
         [sys.executable, "-m", "journeys.processes", *command],
@@ -96,21 +114,29 @@ def tethered(command: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen]
         start_new_session=True,  # a terminal's Ctrl+C reaches this process alone
         **popen,
     )
+    assert watcher.stdin is not None
+    _tether_pipes.add(watcher.stdin.fileno())
     try:
         yield watcher
     finally:
-        assert watcher.stdin is not None
+        _tether_pipes.discard(watcher.stdin.fileno())
         watcher.stdin.close()  # the watcher stops the command, then exits
         try:
-            watcher.wait(GRACE_S + KILL_WAIT_S + DRAIN_S)
+            watcher.wait(WATCHER_EXIT_S)
         except subprocess.TimeoutExpired:
-            stop_group(watcher)
+            stop_group(watcher)  # and with it, on Linux, the command
 
 
 def watch(command: Sequence[str]) -> int:
     """The watcher of `tethered`: run `command` in a group of its own until it exits or
     standard input closes; return its exit code."""
-    process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        list(command),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        # Single-threaded here (the reader thread starts after), as preexec_fn needs.
+        preexec_fn=_killed_with(os.getpid()) if sys.platform.startswith("linux") else None,
+    )
 
     def stop_when_closed() -> None:
         sys.stdin.buffer.read()  # returns at end of input: the starter is done or gone
@@ -122,6 +148,19 @@ def watch(command: Sequence[str]) -> int:
             return process.wait()
         finally:
             stop_group(process)
+
+
+def _killed_with(parent: int) -> Callable[[], None]:
+    """For a child of `parent`, run before exec: SIGKILL when `parent` dies (Linux)."""
+    import ctypes
+
+    def arrange() -> None:
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # it died before the signal was arranged
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arrange
 
 
 def stop_group(process: subprocess.Popen, grace: float = GRACE_S) -> None:

@@ -8,7 +8,6 @@ nor ingest. Runs in well under a second for a few hundred journeys.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -21,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `pytest` (not `python -m pytest`) does not add the checkout
     sys.path.insert(0, str(ROOT))
 
+from flows.prefect_server import free_port  # noqa: E402, F401  (for the tests' servers)
 from journeys.vocab import Vocabularies, Vocabulary  # noqa: E402
 
 
@@ -168,10 +168,3 @@ def mlflow_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     return uri
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a server a test starts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -209,33 +209,36 @@ def test_journeys_serve_under_sigterm_stops_its_prefect_server(tmp_path: Path) -
 def test_a_command_that_exits_is_not_held_open_by_a_grandchild() -> None:
     """A grandchild holding the output pipe must not keep the supervisor waiting: the
     command's exit code comes back at once, and the grandchild is stopped with the group."""
-    import psutil
 
     lines: list[str] = []
-    script = "import subprocess, sys; subprocess.Popen(['sleep', '60']); print('bye'); sys.exit(3)"
+    script = "import subprocess, sys; print(subprocess.Popen(['sleep', '60']).pid); sys.exit(3)"
     started = time.monotonic()
     code = run_supervised([sys.executable, "-c", script], on_line=lines.append, grace=1.0)
-    assert code == 3 and lines == ["bye"]
+    assert code == 3 and len(lines) == 1
     assert time.monotonic() - started < 10
-    sleepers = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "60"]]
-    assert not sleepers
+    assert _wait_gone(int(lines[0]), 5), "the grandchild outlived the supervisor"
 
 
 # ----------------------------------------------------------------------------- tethered
 
 TETHER_STOP_S = 30  # the watcher's SIGTERM grace and SIGKILL wait, with room to spare
+SLEEPER = ["sleep", "300"]
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:
+    """`pid` ends within `timeout` s (a zombie has ended: its reaper may be slow)."""
     import psutil
 
-    try:
-        psutil.Process(pid).wait(timeout=timeout)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired:
-        return False
-    return True
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def test_a_tethered_command_dies_with_its_starter_even_after_sigkill() -> None:
@@ -280,10 +283,30 @@ def test_a_tethered_command_stops_when_the_block_ends() -> None:
     assert _wait_gone(sleepers[0].pid, 1)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
+def test_a_tethered_command_dies_with_its_watcher() -> None:
+    import psutil
+
+    from journeys.processes import tethered
+
+    with tethered(["sleep", "300"]) as watcher:
+        deadline = time.monotonic() + 10
+        # The command itself, not the watcher's fork before it runs it.
+        while [p.cmdline() for p in psutil.Process(watcher.pid).children()] != [SLEEPER]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sleepers = psutil.Process(watcher.pid).children()
+        watcher.kill()  # the watcher itself dies (the OOM killer, say)
+        assert _wait_gone(sleepers[0].pid, TETHER_STOP_S), "the command outlived its watcher"
+
+
 @pytest.mark.slow
 def test_journeys_pipeline_killed_with_sigkill_leaves_no_prefect_server(tmp_path: Path) -> None:
     """With no Prefect API configured, `journeys pipeline` reports to a temporary server
     of its own, which goes when the command is killed, however it is killed."""
+    import psutil
+
+    from flows.prefect_server import api_answers
     from tests.test_reliability import ENV, TINY, cli, path_args, sets
 
     env = {**ENV, "PREFECT_HOME": str(tmp_path / "prefect")}
@@ -293,23 +316,25 @@ def test_journeys_pipeline_killed_with_sigkill_leaves_no_prefect_server(tmp_path
     pipeline = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     try:
         assert pipeline.stderr is not None
-        assert pipeline.stderr.readline().startswith("Prefect: a temporary server on")
-        deadline = time.monotonic() + 60
-        while not (servers := _prefect_servers_under(pipeline.pid)):
-            assert pipeline.poll() is None and time.monotonic() < deadline
+        said = pipeline.stderr.readline()
+        assert said.startswith("Prefect: a temporary server on http://127.0.0.1:"), said
+        api = said.split()[5] + "/api"
+        threading.Thread(target=pipeline.stderr.read, daemon=True).start()  # never full
+        deadline = time.monotonic() + 180  # a first start migrates a new database
+        while not api_answers(api):
+            assert pipeline.poll() is None and time.monotonic() < deadline, "no server"
             time.sleep(0.2)
-        pipeline.kill()
+        # The watcher and the server it runs (both name `prefect server start`).
+        tether = [
+            p
+            for p in psutil.Process(pipeline.pid).children(recursive=True)
+            if "server start" in " ".join(p.cmdline())
+        ]
+        assert len(tether) == 2, [p.cmdline() for p in tether]
+        pipeline.kill()  # SIGKILL: no clean-up of its own runs
         pipeline.wait()
-        assert _wait_gone(servers[0].pid, TETHER_STOP_S), servers[0].cmdline()
+        _, alive = psutil.wait_procs(tether, timeout=TETHER_STOP_S)
+        assert not alive, [p.cmdline() for p in alive]
+        assert not api_answers(api)
     finally:
         pipeline.kill()
-
-
-def _prefect_servers_under(pid: int) -> list:
-    import psutil
-
-    try:
-        family = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    return [p for p in family if "server start" in " ".join(p.cmdline())]
