@@ -444,3 +444,24 @@ def test_an_old_file_delivered_again_under_a_new_name_stops_and_names_full(
     assert len(err.splitlines()) == 1 and "most as late" in err and "--full" in err, err
     assert (tmp_path / "journeys" / MANIFEST_FILE).read_bytes() == before
     assert read_quarantine(tmp_path / "quarantine").height == pl.read_csv(files[0]).height
+
+
+def test_the_manifests_hashing_stops_when_the_ingest_does(tmp_path: Path) -> None:
+    """New files are hashed while pass 1 reads them; an ingest that fails (or is stopped)
+    does not wait for the rest of the bytes: the hashing stops at its next chunk."""
+    import threading
+    from concurrent.futures import CancelledError
+
+    from journeys.manifest import content_hash, fingerprints_meanwhile
+
+    raw = tmp_path / "big.csv"
+    raw.write_bytes(b"x" * (3 << 20))
+    stop = threading.Event()
+    assert len(content_hash(raw, stop)) == 64
+    stop.set()
+    with pytest.raises(CancelledError):
+        content_hash(raw, stop)
+    with fingerprints_meanwhile([raw]) as fingerprints:
+        assert fingerprints()[str(raw)]["sha256"] == content_hash(raw)
+    with pytest.raises(RuntimeError, match="pass 1 failed"), fingerprints_meanwhile([raw]):
+        raise RuntimeError("pass 1 failed")  # the block's error, not the hashing's
