@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -241,13 +242,25 @@ def _wait_gone(pid: int, timeout: float) -> bool:
         time.sleep(0.05)
 
 
-def test_a_tethered_command_dies_with_its_starter_even_after_sigkill() -> None:
+def _command_of(watcher_pid: int) -> Any:
+    """The tethered command (a `psutil.Process`), once it runs: not the watcher's fork
+    before it execs the command."""
     import psutil
 
+    deadline = time.monotonic() + 10
+    while True:
+        children = psutil.Process(watcher_pid).children()
+        if [p.cmdline() for p in children] == [SLEEPER]:
+            return children[0]
+        assert time.monotonic() < deadline, [p.cmdline() for p in children]
+        time.sleep(0.05)
+
+
+def test_a_tethered_command_dies_with_its_starter_even_after_sigkill() -> None:
     script = (
         "import sys, time\n"
         "from journeys.processes import tethered\n"
-        "with tethered(['sleep', '300']) as watcher:\n"
+        f"with tethered({SLEEPER!r}) as watcher:\n"
         "    print(watcher.pid, flush=True)\n"
         "    time.sleep(300)\n"
     )
@@ -256,48 +269,33 @@ def test_a_tethered_command_dies_with_its_starter_even_after_sigkill() -> None:
     )
     try:
         assert starter.stdout is not None
-        watcher = psutil.Process(int(starter.stdout.readline()))
-        deadline = time.monotonic() + 10
-        while not (sleepers := watcher.children()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert [p.cmdline() for p in sleepers] == [["sleep", "300"]]
+        watcher = int(starter.stdout.readline())
+        command = _command_of(watcher)
         starter.kill()  # SIGKILL: no clean-up of its own runs
         starter.wait()
-        assert _wait_gone(sleepers[0].pid, TETHER_STOP_S), "the command outlived its starter"
-        assert _wait_gone(watcher.pid, TETHER_STOP_S)
+        assert _wait_gone(command.pid, TETHER_STOP_S), "the command outlived its starter"
+        assert _wait_gone(watcher, TETHER_STOP_S)
     finally:
         starter.kill()
 
 
 def test_a_tethered_command_stops_when_the_block_ends() -> None:
-    import psutil
-
     from journeys.processes import tethered
 
-    with tethered(["sleep", "300"]) as watcher:
-        deadline = time.monotonic() + 10
-        while not (sleepers := psutil.Process(watcher.pid).children()):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with tethered(SLEEPER) as watcher:
+        command = _command_of(watcher.pid)
     assert watcher.returncode is not None
-    assert _wait_gone(sleepers[0].pid, 1)
+    assert _wait_gone(command.pid, 1)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG: Linux")
 def test_a_tethered_command_dies_with_its_watcher() -> None:
-    import psutil
-
     from journeys.processes import tethered
 
-    with tethered(["sleep", "300"]) as watcher:
-        deadline = time.monotonic() + 10
-        # The command itself, not the watcher's fork before it runs it.
-        while [p.cmdline() for p in psutil.Process(watcher.pid).children()] != [SLEEPER]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        sleepers = psutil.Process(watcher.pid).children()
+    with tethered(SLEEPER) as watcher:
+        command = _command_of(watcher.pid)
         watcher.kill()  # the watcher itself dies (the OOM killer, say)
-        assert _wait_gone(sleepers[0].pid, TETHER_STOP_S), "the command outlived its watcher"
+        assert _wait_gone(command.pid, TETHER_STOP_S), "the command outlived its watcher"
 
 
 @pytest.mark.slow
