@@ -12,7 +12,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: run test lint bench setup postgres clean
+.PHONY: run test lint bench setup test-tools clean
 
 setup: $(STAMP)
 
@@ -41,8 +41,8 @@ lint: $(STAMP)
 
 # The PostgreSQL server the shared-servers tests start a throwaway cluster of (Debian's
 # package, where missing; .ci/run runs this before the tests).
-postgres:
-	bash scripts/install_postgres.sh
+test-tools:
+	bash scripts/install_test_tools.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[dev,bench]"

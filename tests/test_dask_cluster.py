@@ -73,7 +73,7 @@ def dask_cluster(folder: Path, worker_env: dict[str, str] | None = None) -> Iter
     from distributed import Client
 
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+        pytest.skip("openssl is not installed: `make test-tools` installs it")
     dask = str(Path(sys.executable).with_name("dask"))
     folder.mkdir()
     cert, key = certificate(folder)

@@ -7,7 +7,7 @@ the password inside the URI. The tests then look through each server's API for w
 the product claims to have done, and through every byte a run left for the password.
 
 The servers read the password from `PGPASSWORD`, never from a URI, so whatever leaks is
-the product's. Skipped only where no PostgreSQL server is installed (`make postgres`
+the product's. Skipped only where no PostgreSQL server is installed (`make test-tools`
 installs one; `.ci/run` does it first).
 """
 
@@ -85,7 +85,7 @@ def postgres() -> Iterator[Postgres]:
     """A PostgreSQL cluster of our own (initdb + pg_ctl), removed afterwards."""
     initdb, pg_ctl = _binary("initdb"), _binary("pg_ctl")
     if not (initdb and pg_ctl and _binary("createdb")):
-        pytest.skip("no PostgreSQL server installed (initdb): `make postgres` installs it")
+        pytest.skip("no PostgreSQL server installed (initdb): `make test-tools` installs it")
     # PostgreSQL refuses to run as root: run it as the `postgres` user the package creates.
     as_user: list[str] = []
     root = Path(tempfile.mkdtemp(prefix="journeys-postgres-"))

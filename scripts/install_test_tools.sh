@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
 # Make sure a PostgreSQL server (initdb, pg_ctl) is installed, for the shared-servers tests
-# (tests/test_shared_servers.py starts its own throwaway cluster on 127.0.0.1).
-# Installs Debian's package where it is missing; says so and exits 0 where it cannot, and
-# those tests then skip with the reason.
+# (tests/test_shared_servers.py starts its own throwaway cluster on 127.0.0.1), and
+# openssl, for the Dask cluster tests' TLS certificate (tests/test_dask_cluster.py).
+# Installs Debian's packages where they are missing; says so and exits 0 where it cannot,
+# and those tests then skip with the reason.
 set -uo pipefail
+if ! command -v openssl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ]; then
+  echo "installing openssl (apt-get install openssl) for the Dask cluster tests"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssl >/dev/null 2>&1 \
+    || echo "openssl could not be installed here: tests/test_dask_cluster.py will skip"
+fi
 if command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   exit 0
 fi
