@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -41,7 +40,6 @@ WORK = ROOT / "data" / "bench" / "dask"
 PARTITIONS = 8
 CHUNK_JOURNEYS = 20_000
 START_TIMEOUT_S = 120
-STOP_TIMEOUT_S = 60
 
 
 @contextlib.contextmanager
@@ -51,12 +49,16 @@ def cluster(workers: int) -> Iterator[str]:
     from distributed import Client
 
     from flows.prefect_server import free_port
+    from journeys.processes import stop_group
 
     dask = str(Path(sys.executable).with_name("dask"))
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     loopback = ["--dashboard-address", "127.0.0.1:0"]
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": WORK}
+    quiet = {
+        "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": WORK,
+        "start_new_session": True,  # a group each, for stop_group
+    }  # fmt: skip
     env = {**os.environ, "POLARS_MAX_THREADS": "1"}
     processes = [
         subprocess.Popen(
@@ -72,13 +74,8 @@ def cluster(workers: int) -> Iterator[str]:
             client.wait_for_workers(workers, timeout=START_TIMEOUT_S)
         yield address
     finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        for process in reversed(processes):  # a worker's processes go with its group
+            stop_group(process)
 
 
 def one_run(workers: int, raw: Path, model: Path, out: Path) -> dict[str, float]:

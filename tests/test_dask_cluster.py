@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from conftest import free_port
 from test_flows import isolated, orchestrate, tiny_config
 
 from flows.prefect_server import api_answers
+from journeys.processes import stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,8 @@ def dask_cluster(folder: Path, worker_env: dict[str, str] | None = None) -> Iter
     address = f"tls://127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
     env |= {"POLARS_MAX_THREADS": "1", **(worker_env or {})}  # as given, nothing else
-    quiet: dict[str, Any] = {"cwd": folder, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}  # fmt: skip
+    quiet: dict[str, Any] = {"cwd": folder, "stdout": subprocess.DEVNULL,
+                             "stderr": subprocess.DEVNULL, "start_new_session": True}  # fmt: skip
     processes = [
         subprocess.Popen(
             [dask, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
@@ -109,23 +110,8 @@ def dask_cluster(folder: Path, worker_env: dict[str, str] | None = None) -> Iter
             client.wait_for_workers(WORKERS, timeout=START_TIMEOUT_S)
         yield Cluster(address, config, processes)
     finally:
-        family = []
-        for process in processes:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                family += psutil.Process(process.pid).children(recursive=True)
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        # The cluster's own processes (worker processes under each nanny) are reaped here;
-        # the tests assert what they must about Prefect servers before this runs.
-        _, alive = psutil.wait_procs(family, timeout=STOP_TIMEOUT_S)
-        for straggler in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                straggler.kill()
+        for process in reversed(processes):  # each in a group of its own: the worker
+            stop_group(process)  # processes under a nanny go with it (SIGTERM, then KILL)
 
 
 def prefect_servers(processes: list[psutil.Process]) -> list[list[str]]:
