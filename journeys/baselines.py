@@ -12,16 +12,17 @@
   each numeric feature's mean, minimum, maximum, last value, sum and missing count.
 
 Each is its own MLflow run in the same experiment, tagged `model_family=baseline_<name>`,
-with the same `test_*` metrics and plots as the transformer.
+with the same `test_*` metrics and plots as the transformer, and each fitted model is a
+candidate for the champion (`journeys.promotion`): its fitted state is JSON values plus,
+for the boosted ones, a scikit-learn booster that `journeys.trained_model` saves with skops.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import polars as pl
@@ -55,6 +56,7 @@ class BaselineResult:
     metrics: dict[str, float]  # test_* and val_roc_auc
     probs: np.ndarray  # on the test journeys, in their order
     val_probs: np.ndarray  # on the val journeys, in their order: what promotion compares
+    model: Baseline  # fitted on train: a candidate for the champion
 
 
 # ----------------------------------------------------------------------------- features
@@ -109,10 +111,22 @@ class BagOfEvents:
         assert self.columns is not None, "fit first"
         return self.columns.height + 1  # the last column is log1p(n_events_total)
 
+    def tokens(self) -> list[str]:
+        """The fitted tokens in column order (`set_tokens` restores them)."""
+        assert self.columns is not None, "fit first"
+        return self.columns.sort("col").get_column("token").to_list()
+
+    def set_tokens(self, tokens: list[str]) -> None:
+        series = pl.Series("token", tokens, dtype=pl.String)
+        self.columns = pl.DataFrame(
+            {"token": series, "col": pl.int_range(len(series), dtype=pl.UInt32, eager=True)}
+        )
+
     def transform(self, frame: pl.DataFrame) -> csr_matrix:
         from scipy import sparse
 
         assert self.columns is not None, "fit first"
+        frame = with_total_events(frame)
         counts = token_counts(frame, self.features, self.bigrams).join(self.columns, on="token")
         rows = counts.get_column("row").to_numpy()
         cols = counts.get_column("col").to_numpy()
@@ -231,13 +245,12 @@ class JourneyAggregates:
 
     def to_dict(self) -> dict[str, Any]:
         """The fitted state as JSON values (`from_dict` reads it back)."""
-        assert self.bag.columns is not None, "fit first"
         return {
             "features": self.features,
             "numeric": self.numeric,
             "timezone": self.timezone,
             "visit_gap_s": self.visit_gap_s,
-            "tokens": self.bag.columns.sort("col").get_column("token").to_list(),
+            "tokens": self.bag.tokens(),
             "levels": self.levels,
         }
 
@@ -246,10 +259,7 @@ class JourneyAggregates:
         aggregates = cls(
             state["features"], state["timezone"], state["visit_gap_s"], state["numeric"]
         )
-        tokens = pl.Series("token", state["tokens"], dtype=pl.String)
-        aggregates.bag.columns = pl.DataFrame(
-            {"token": tokens, "col": pl.int_range(len(tokens), dtype=pl.UInt32, eager=True)}
-        )
+        aggregates.bag.set_tokens(state["tokens"])
         aggregates.levels = {column: dict(levels) for column, levels in state["levels"].items()}
         return aggregates
 
@@ -279,102 +289,286 @@ class JourneyAggregates:
 # ----------------------------------------------------------------------------- models
 
 
+@dataclass(frozen=True)
+class BaselineSettings:
+    """What the baselines read from the configuration: the per-event columns, bigrams, the
+    seed, where hours are read (`data.timezone`) and the gap that opens a visit."""
+
+    features: tuple[str, ...] = ()
+    bigrams: bool = False
+    seed: int = 0
+    timezone: str = "UTC"
+    visit_gap_s: float | None = None
+    numeric_features: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: Config) -> BaselineSettings:
+        return cls(
+            features=tuple(config.data.features),
+            bigrams=config.train.bigrams,
+            seed=config.train.seed,
+            timezone=config.data.timezone,
+            visit_gap_s=config.model.visit_gap_s,
+            numeric_features=tuple(config.data.numeric_features),
+        )
+
+
 def _labels(frame: pl.DataFrame) -> np.ndarray:
     return frame.get_column("label").cast(pl.Int64).to_numpy()
 
 
-def prior(train: pl.DataFrame, test: pl.DataFrame, **_) -> np.ndarray:
-    return np.full(test.height, float(_labels(train).mean()))
+def with_total_events(frame: pl.DataFrame) -> pl.DataFrame:
+    """A frame with `n_events_total`: a served journey without it counts the events it lists."""
+    if "n_events_total" in frame.columns:
+        return frame
+    return frame.with_columns(n_events_total=pl.col("event_type").list.len())
 
 
-def last_touch(train: pl.DataFrame, test: pl.DataFrame, features: list[str], **_) -> np.ndarray:
-    keys = ["event_type", *[f for f in LAST_TOUCH_FEATURES if f in features]]
-    last = [pl.col(k).list.last().fill_null(MISSING_VALUE).alias(k) for k in keys]
-    base_rate = float(_labels(train).mean())
-    rates = (
-        train.select(*last, "label")
-        .group_by(keys)
-        .agg(n=pl.len(), positives=pl.col("label").cast(pl.Float64).sum())
-        .with_columns(
-            rate=(pl.col("positives") + LAST_TOUCH_PSEUDO_COUNT * base_rate)
-            / (pl.col("n") + LAST_TOUCH_PSEUDO_COUNT)
+class Baseline:
+    """A fitted baseline: journeys (ingest schema) in, conversion probabilities out.
+
+    Its fitted state is plain JSON values (`state`) and, for the boosted ones, a
+    `HistGradientBoostingClassifier` (`booster`), which `journeys.trained_model` saves with
+    skops: a baseline can be served like the transformer, never through pickle.
+    """
+
+    name: ClassVar[str]
+    booster: HistGradientBoostingClassifier | None = None
+
+    def __init__(self, settings: BaselineSettings) -> None:
+        self.settings = settings
+
+    def fit(self, train: pl.DataFrame) -> Baseline:
+        raise NotImplementedError
+
+    def predict_proba(self, frame: pl.DataFrame) -> np.ndarray:
+        raise NotImplementedError
+
+    def fitted_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def restore(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def state(self) -> dict[str, Any]:
+        """The fitted baseline as JSON values (`load_baseline` reads it back)."""
+        settings = {**asdict(self.settings), "features": list(self.settings.features)}
+        settings["numeric_features"] = list(self.settings.numeric_features)
+        return {"name": self.name, "settings": settings, "fitted": self.fitted_state()}
+
+
+class Prior(Baseline):
+    """The train base rate for every journey."""
+
+    name = "prior"
+    rate = math.nan
+
+    def fit(self, train: pl.DataFrame) -> Prior:
+        self.rate = float(_labels(train).mean())
+        return self
+
+    def predict_proba(self, frame: pl.DataFrame) -> np.ndarray:
+        return np.full(frame.height, self.rate)
+
+    def fitted_state(self) -> dict[str, Any]:
+        return {"rate": self.rate}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.rate = float(state["rate"])
+
+
+class LastTouch(Baseline):
+    """The train conversion rate of the journey's last event type (and channel), shrunk
+    towards the base rate by `LAST_TOUCH_PSEUDO_COUNT` journeys."""
+
+    name = "last_touch"
+    base_rate = math.nan
+    rates: pl.DataFrame | None = None  # one row per key seen in train: keys..., rate
+
+    @property
+    def keys(self) -> list[str]:
+        features = self.settings.features
+        return ["event_type", *[f for f in LAST_TOUCH_FEATURES if f in features]]
+
+    def _last(self) -> list[pl.Expr]:
+        return [pl.col(k).list.last().fill_null(MISSING_VALUE).alias(k) for k in self.keys]
+
+    def fit(self, train: pl.DataFrame) -> LastTouch:
+        base_rate = float(_labels(train).mean())
+        self.base_rate = base_rate
+        self.rates = (
+            train.select(*self._last(), "label")
+            .group_by(self.keys)
+            .agg(n=pl.len(), positives=pl.col("label").cast(pl.Float64).sum())
+            .select(
+                *self.keys,
+                rate=(pl.col("positives") + LAST_TOUCH_PSEUDO_COUNT * base_rate)
+                / (pl.col("n") + LAST_TOUCH_PSEUDO_COUNT),
+            )
+            .sort(self.keys)
         )
-    )
-    scored = (
-        test.select(*last)
-        .with_row_index("_row")
-        .join(rates.select(*keys, "rate"), on=keys, how="left")
-        .sort("_row")  # joins do not keep order
-    )
-    return scored.get_column("rate").fill_null(base_rate).to_numpy()
+        return self
+
+    def predict_proba(self, frame: pl.DataFrame) -> np.ndarray:
+        assert self.rates is not None, "fit first"
+        scored = (
+            frame.select(*self._last())
+            .with_row_index("_row")
+            .join(self.rates, on=self.keys, how="left")
+            .sort("_row")  # joins do not keep order
+        )
+        return scored.get_column("rate").fill_null(self.base_rate).to_numpy()
+
+    def fitted_state(self) -> dict[str, Any]:
+        assert self.rates is not None, "fit first"
+        return {"base_rate": self.base_rate, "rates": self.rates.to_dict(as_series=False)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.base_rate = float(state["base_rate"])
+        schema = {**dict.fromkeys(self.keys, pl.String), "rate": pl.Float64}
+        self.rates = pl.DataFrame(state["rates"], schema=schema)
 
 
-def logreg(
-    train: pl.DataFrame, test: pl.DataFrame, features: list[str], bigrams: bool, seed: int, **_
-) -> np.ndarray:
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import MaxAbsScaler
+class LogReg(Baseline):
+    """Logistic regression on bag-of-events counts (scaled by each column's largest train
+    value). Served as its weights: a sparse dot product, no scikit-learn at scoring."""
 
-    bag = BagOfEvents(features, bigrams).fit(train)
-    model = make_pipeline(MaxAbsScaler(), LogisticRegression(max_iter=2000, random_state=seed))
-    model.fit(bag.transform(train), _labels(train))
-    return model.predict_proba(bag.transform(test))[:, 1]
+    name = "logreg"
+    weights: np.ndarray | None = None  # per bag column, the scaling folded in
+    intercept = 0.0
+
+    def __init__(self, settings: BaselineSettings) -> None:
+        super().__init__(settings)
+        self.bag = BagOfEvents(list(settings.features), settings.bigrams)
+
+    def fit(self, train: pl.DataFrame) -> LogReg:
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.preprocessing import MaxAbsScaler
+
+        inputs = self.bag.fit(train).transform(train)
+        scaler = MaxAbsScaler().fit(inputs)
+        model = LogisticRegression(max_iter=2000, random_state=self.settings.seed)
+        model.fit(scaler.transform(inputs), _labels(train))
+        self.weights = model.coef_[0] / scaler.scale_
+        self.intercept = float(model.intercept_[0])
+        return self
+
+    def logits(self, frame: pl.DataFrame) -> np.ndarray:
+        assert self.weights is not None, "fit first"
+        return self.bag.transform(frame) @ self.weights + self.intercept
+
+    def predict_proba(self, frame: pl.DataFrame) -> np.ndarray:
+        from journeys.metrics import sigmoid
+
+        return sigmoid(self.logits(frame))
+
+    def fitted_state(self) -> dict[str, Any]:
+        assert self.weights is not None, "fit first"
+        return {
+            "tokens": self.bag.tokens(),
+            "weights": self.weights.tolist(),
+            "intercept": self.intercept,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.bag.set_tokens(state["tokens"])
+        self.weights = np.asarray(state["weights"], dtype=np.float64)
+        self.intercept = float(state["intercept"])
 
 
-def hgb(
-    train: pl.DataFrame, test: pl.DataFrame, features: list[str], bigrams: bool, seed: int, **_
-) -> np.ndarray:
+class Hgb(Baseline):
+    """Gradient boosting on bag-of-events counts (the `MAX_DENSE_COLUMNS` commonest)."""
+
+    name = "hgb"
+
+    def __init__(self, settings: BaselineSettings) -> None:
+        super().__init__(settings)
+        features = list(settings.features)
+        self.bag = BagOfEvents(features, settings.bigrams, max_columns=MAX_DENSE_COLUMNS)
+
+    def fit(self, train: pl.DataFrame) -> Hgb:
+        inputs = self.bag.fit(train).transform(train).toarray()
+        self.booster = _booster(self.settings.seed).fit(inputs, _labels(train))
+        return self
+
+    def predict_proba(self, frame: pl.DataFrame) -> np.ndarray:
+        assert self.booster is not None, "fit first"
+        return self.booster.predict_proba(self.bag.transform(frame).toarray())[:, 1]
+
+    def fitted_state(self) -> dict[str, Any]:
+        return {"tokens": self.bag.tokens()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.bag.set_tokens(state["tokens"])
+
+
+class HgbAggregates(Baseline):
+    """The strong baseline: gradient boosting on `JourneyAggregates`."""
+
+    name = "hgb_aggregates"
+
+    def __init__(self, settings: BaselineSettings) -> None:
+        super().__init__(settings)
+        self.aggregates = JourneyAggregates(
+            list(settings.features),
+            settings.timezone,
+            settings.visit_gap_s,
+            list(settings.numeric_features),
+        )
+
+    def fit(self, train: pl.DataFrame) -> HgbAggregates:
+        inputs = self.aggregates.fit(train).transform(train)
+        booster = _booster(self.settings.seed, self.aggregates.categorical)
+        self.booster = booster.fit(inputs, _labels(train))
+        return self
+
+    def predict_proba(self, frame: pl.DataFrame) -> np.ndarray:
+        assert self.booster is not None, "fit first"
+        inputs = self.aggregates.transform(with_total_events(frame))
+        return self.booster.predict_proba(inputs)[:, 1]
+
+    def fitted_state(self) -> dict[str, Any]:
+        return {"aggregates": self.aggregates.to_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.aggregates = JourneyAggregates.from_dict(state["aggregates"])
+
+
+def _booster(seed: int, categorical: np.ndarray | None = None) -> HistGradientBoostingClassifier:
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    bag = BagOfEvents(features, bigrams, max_columns=MAX_DENSE_COLUMNS).fit(train)
-    model = HistGradientBoostingClassifier(
-        max_iter=HGB_MAX_ITER, early_stopping=True, random_state=seed
-    )
-    model.fit(bag.transform(train).toarray(), _labels(train))
-    return model.predict_proba(bag.transform(test).toarray())[:, 1]
-
-
-def hgb_aggregates(
-    train: pl.DataFrame,
-    test: pl.DataFrame,
-    features: list[str],
-    seed: int,
-    timezone: str = "UTC",
-    visit_gap_s: float | None = None,
-    numeric_features: list[str] | None = None,
-    **_,
-) -> np.ndarray:
-    aggregates = JourneyAggregates(features, timezone, visit_gap_s, numeric_features)
-    encoder, model = fit_aggregates_booster(train, aggregates, seed)
-    return model.predict_proba(encoder.transform(test))[:, 1]
-
-
-def fit_aggregates_booster(
-    train: pl.DataFrame, aggregates: JourneyAggregates, seed: int
-) -> tuple[JourneyAggregates, HistGradientBoostingClassifier]:
-    """`hgb_aggregates`' model: the aggregates fitted on `train`, and gradient boosting on
-    them (the stacked model keeps both, `journeys.stacking`)."""
-    from sklearn.ensemble import HistGradientBoostingClassifier
-
-    aggregates.fit(train)
-    model = HistGradientBoostingClassifier(
+    return HistGradientBoostingClassifier(
         max_iter=HGB_MAX_ITER,
         early_stopping=True,
-        categorical_features=aggregates.categorical,
+        categorical_features=categorical,
         random_state=seed,
     )
-    model.fit(aggregates.transform(train), _labels(train))
-    return aggregates, model
 
 
-PREDICTORS: dict[str, Callable[..., np.ndarray]] = {
-    "logreg": logreg,
-    "hgb": hgb,
-    "hgb_aggregates": hgb_aggregates,
-    "last_touch": last_touch,
-    "prior": prior,
+BASELINE_TYPES: dict[str, type[Baseline]] = {
+    kind.name: kind for kind in (LogReg, Hgb, HgbAggregates, LastTouch, Prior)
 }
+assert tuple(BASELINE_TYPES) == BASELINES
+
+
+def fit_baseline(name: str, train: pl.DataFrame, settings: BaselineSettings) -> Baseline:
+    """Baseline `name` fitted on the `train` journeys."""
+    return BASELINE_TYPES[name](settings).fit(with_total_events(train))
+
+
+def load_baseline(
+    state: dict[str, Any], booster: HistGradientBoostingClassifier | None = None
+) -> Baseline:
+    """A fitted baseline from its `state()` (and booster, for the boosted ones)."""
+    settings = dict(state["settings"])
+    for key in ("features", "numeric_features"):
+        settings[key] = tuple(settings[key])
+    baseline = BASELINE_TYPES[state["name"]](BaselineSettings(**settings))
+    baseline.restore(state["fitted"])
+    baseline.booster = booster
+    if state["name"] in ("hgb", "hgb_aggregates") and booster is None:
+        raise ValueError(f"baseline {state['name']} needs its booster")
+    return baseline
 
 
 def fit_predict(
@@ -393,16 +587,10 @@ def fit_predict(
     `timezone` is where hours and weekdays are read, `visit_gap_s` the gap that opens a
     visit; `numeric_features` are aggregated (all three only used by `hgb_aggregates`).
     """
-    return PREDICTORS[name](
-        train,
-        test,
-        features=features,
-        bigrams=bigrams,
-        seed=seed,
-        timezone=timezone,
-        visit_gap_s=visit_gap_s,
-        numeric_features=numeric_features,
+    settings = BaselineSettings(
+        tuple(features), bigrams, seed, timezone, visit_gap_s, tuple(numeric_features or ())
     )
+    return fit_baseline(name, train, settings).predict_proba(with_total_events(test))
 
 
 # ----------------------------------------------------------------------------- runs
@@ -426,26 +614,22 @@ def run_baselines(
     workdir: Path,
     tags: dict[str, str] | None = None,
 ) -> list[BaselineResult]:
-    """Fit each baseline on `train`, score `val` (what promotion compares the transformer
-    with) and `test` (what is reported), and log it as its own MLflow run."""
+    """Fit each baseline on `train`, score `val` (what promotion compares the candidates
+    on) and `test` (what is reported), and log it as its own MLflow run; the fitted models
+    come back as candidates for the champion."""
     from journeys import metrics as M
     from journeys import plots, tracking
 
     uri = tracking.tracking_uri(config)
     labels = _labels(test)
+    settings = BaselineSettings.from_config(config)
     results = []
     for name in names:
         print(f"baseline {name}: fitting on {train.height:,} train journeys")
-        probs = fit_predict(
-            name,
-            train,
-            pl.concat([val, test], how="diagonal_relaxed"),  # one fit scores both
-            config.data.features,
-            config.train.bigrams,
-            config.train.seed,
-            timezone=config.data.timezone,
-            visit_gap_s=config.model.visit_gap_s,
-            numeric_features=config.data.numeric_features,
+        model = fit_baseline(name, train, settings)
+        # One call scores both splits.
+        probs = model.predict_proba(
+            with_total_events(pl.concat([val, test], how="diagonal_relaxed"))
         )
         val_probs, probs = probs[: val.height], probs[val.height :]
         scores = M.binary_metrics(labels, probs)
@@ -465,5 +649,5 @@ def run_baselines(
                 run.log_artifact(
                     plot(labels, {family: probs}, folder / f"{plot.__name__[5:]}.png"), "plots"
                 )
-        results.append(BaselineResult(name, run.run_id, scores, probs, val_probs))
+        results.append(BaselineResult(name, run.run_id, scores, probs, val_probs, model))
     return results

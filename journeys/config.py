@@ -483,11 +483,11 @@ class Train(Section):
         default_factory=lambda: ["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]
     )
     bigrams: bool = False
-    # Stack the transformer with gradient boosting on journey aggregates (`hgb_aggregates`'
-    # model), blended by a logistic regression fitted on val: the registered model serves
-    # the blend, attention stays the transformer's (`journeys.stacking`). Journey-level
-    # models only (a causal model's per-event probabilities are the transformer's alone).
-    stack: bool = False
+    # A candidate for the champion beside the transformer and the baselines: the transformer
+    # blended with gradient boosting on journey aggregates (`hgb_aggregates`' model), the
+    # mean of their calibrated log-odds (`journeys.stacking`); attention stays the
+    # transformer's. Journey-level models only (not with model.causal).
+    stack: bool = True
     # What the loss is on: the journey's logit (its last event), or the logit after every
     # event of a causal model (`model.causal: true`), each prefix labelled with the journey's
     # outcome, so the model also learns to predict mid-journey. See `JourneyModule`.
@@ -519,17 +519,39 @@ class Train(Section):
 
 
 class Promotion(Section):
-    """When a trained transformer becomes the registry's champion (`journeys.promotion`)."""
+    """Which of a run's candidates is registered and whether it becomes the champion
+    (`journeys.promotion`): the transformer, the stack and each baseline's model."""
 
     # Fewer val conversions than this: nothing can be chosen on them, the champion stays
     # (with 20, a ROC AUC's 95% interval is still about +-0.1 wide).
     min_val_conversions: Annotated[int, Field(ge=1)] = 20
-    # Of the interval that must clear chance and of the paired test against the baselines.
+    # Of the interval that must clear chance and of the paired tests between candidates.
     confidence: Annotated[float, Field(gt=0.5, lt=1)] = 0.95
-    # false: skip the first three checks (enough conversions, above chance, no baseline
-    # ahead) and compare with the champion alone: for plumbing tests and demos on a few
-    # hundred journeys, never for a model users rely on. The decision says it was off.
+    # What is judged: ROC AUC ranks the candidates; a candidate clearly worse than a rival
+    # on another of these (paired test at `confidence`) is passed over for the next.
+    metrics: list[Literal["roc_auc", "pr_auc", "log_loss"]] = Field(
+        default_factory=lambda: ["roc_auc", "pr_auc", "log_loss"]
+    )
+    # ... "clearly": beyond doubt, and by more than this share of the rival's figure (a
+    # PR AUC of 0.22 against 0.63 is; 0.300 against 0.305 on a large val is not).
+    metric_tolerance: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    # A val ROC AUC this close to the best is a tie, and a tie goes to the transformer,
+    # then the stack (their attention explains the journeys). Wider would serve a model
+    # the suite measures as worse (`benchmarks/suite.py`: within 0.005 of the best on test).
+    tie_margin: Annotated[float, Field(ge=0, le=0.05)] = 0.002
+    # false: skip the guard (enough conversions, above chance, the best candidate) and
+    # compare the transformer with the champion alone: for plumbing tests and demos on a
+    # few hundred journeys, never for a model users rely on. The decision says it was off.
     guard: bool = True
+
+    @field_validator("metrics")
+    @classmethod
+    def _ranked_by_roc_auc(cls, metrics: list[str]) -> list[str]:
+        if "roc_auc" not in metrics:
+            raise ValueError("metrics must hold roc_auc: it ranks the candidates")
+        if len(set(metrics)) != len(metrics):
+            raise ValueError("metrics are listed twice")
+        return metrics
 
 
 class Mlflow(Section):

@@ -245,6 +245,11 @@ class JourneyModule(L.LightningModule):
         self.register_buffer("pos_weight", pos_weight, persistent=False)
         self.val_auroc = BinaryAUROC()  # accumulates over the epoch, syncs across ranks
         self.val_prefix_auroc = BinaryAUROC() if self.every_prefix else None
+        # Every validated epoch's val logits, in the val split's order: the best epoch is
+        # the checkpoint, so promotion judges it on a half of val that did not choose it
+        # (`journeys.promotion.cross_fitted_logits`). Kept in checkpoints for --resume.
+        self.val_history: list[torch.Tensor] = []
+        self._val_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         if base_rate is not None and 0 < base_rate < 1:
             # Start at the loss-minimising constant (the prior's log-odds, shifted by
             # pos_weight) rather than at p = 0.5: with a few % conversions the first
@@ -317,8 +322,12 @@ class JourneyModule(L.LightningModule):
         )
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        self._val_parts = []
+
     def validation_step(self, batch: JourneyBatch, batch_idx: int) -> None:
         logits, prefix_logits = self._outputs(batch)
+        self._val_parts.append((batch.index, logits.detach()))
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
         self.val_auroc.update(torch.sigmoid(logits), batch.labels.long())
         self.log(
@@ -330,6 +339,30 @@ class JourneyModule(L.LightningModule):
             labels = batch.labels[:, None].expand_as(mask)[mask].long()
             self.val_prefix_auroc.update(torch.sigmoid(prefix_logits[mask]), labels)
             self.log("val_prefix_roc_auc", self.val_prefix_auroc, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking or not self._val_parts:
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None and datamodule.splits:
+            size = len(datamodule.splits["val"])
+        else:
+            size = 1 + max(int(index.max()) for index, _ in self._val_parts)
+        logits = torch.full((size,), math.nan, device=self.device)
+        for index, values in self._val_parts:
+            logits[index] = values
+        if self.trainer.world_size > 1:  # each rank validated a share: NaN elsewhere
+            logits = torch.nanmean(self.all_gather(logits), dim=0)
+        self.val_history.append(logits.cpu())
+        self._val_parts = []
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.val_history:
+            checkpoint["val_history"] = torch.stack(self.val_history)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        history = checkpoint.get("val_history")
+        self.val_history = list(history) if history is not None else []
 
     def configure_optimizers(self) -> dict[str, Any]:
         settings = self.train_settings

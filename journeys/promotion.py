@@ -1,55 +1,89 @@
-"""Which model becomes the champion: chosen on the validation split, and guarded.
+"""Which model becomes the champion: chosen among the run's candidates on val, and guarded.
 
-A training run's transformer is a candidate for the registry's `champion` alias. It is
-promoted only when every check below holds, in this order; the first that fails decides,
-and the summary, the run and the model version say which and what to do about it:
+Every training run has several candidates, all saved and served the same way
+(`journeys.trained_model.TrainedModel.kind`): the `transformer`, the `stack` (the
+transformer blended with `hgb_aggregates`) and each baseline's model (`baseline_<name>`).
+The one registered is decided on the val split alone, by these checks in order; the
+summary, the run and the model version say which decided, why, and what to do:
 
-1. `too_few_conversions`: the val split holds at least `promotion.min_val_conversions`
-   conversions (with fewer, a ROC AUC's 95% interval spans 0.2 or more: nothing can be
-   chosen on it);
-2. `not_above_chance`: the lower end of the candidate's val ROC AUC interval (DeLong) is
-   above 0.5: a run that did not learn is no candidate;
-3. `below_baseline`: no baseline of the same run is ahead of it on the same val journeys
-   by a paired DeLong test (one-sided, at `promotion.confidence`): the registry never
-   serves a transformer that a simple model beats;
-4. `not_better_than_champion`: its val ROC AUC beats the current champion's on the same
-   val journeys (a tie keeps the champion).
+1. `too_few_conversions`: val holds at least `promotion.min_val_conversions` conversions
+   (with fewer, a ROC AUC's 95% interval spans 0.2 or more: nothing can be chosen on it);
+2. `not_above_chance`: a candidate whose val ROC AUC interval (DeLong) does not clear 0.5
+   learned nothing: it is out, and when no candidate is left, nothing is served;
+3. the best val ROC AUC wins, but a tie goes to the transformer, then the stack: within
+   `promotion.tie_margin` of the best they are preferred (their attention explains the
+   journeys; scores carry it whatever gives the probability);
+4. `promotion.metrics` beside ROC AUC: a candidate clearly worse than a rival on PR AUC or
+   log loss (beyond doubt by a paired one-sided test at `promotion.confidence`, and by
+   more than `promotion.metric_tolerance` of the rival's figure) is passed over for the
+   next, unless that rival is itself clearly behind on ROC AUC;
+5. `not_better_than_champion`: the chosen candidate's val ROC AUC beats the current
+   champion's on the same val journeys (a tie keeps the champion).
+
+What is judged is never what chose: every val figure here is honest. The baselines are
+fitted on train alone. The transformer's checkpoint is the epoch with the best val ROC AUC,
+so the figure judged is cross-fitted (`cross_fitted_logits`): each half of val is scored by
+the epoch the other half picked, and an epoch-0 fluke on one half does not survive the
+other. Calibration fitted on val (the transformer's temperature, the stack's Platt
+scaling) is cross-fitted the same way (`cross_fitted_calibration`).
 
 The test split never takes part: its metrics are reported, so they still measure
 something. (MLflow's model validation refuses a candidate below a baseline's thresholds;
-AutoGluon and its kind pick models on validation data. This is both, with the paired test
-that small validation splits need.)
+AutoGluon and its kind pick among models on validation data. This is both, with the
+paired tests small validation splits need.)
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from journeys.config import Promotion
-from journeys.metrics import paired_roc_auc_difference, roc_auc_interval
+from journeys.metrics import (
+    paired_average_precision_difference,
+    paired_log_loss_difference,
+    paired_roc_auc_difference,
+    roc_auc_interval,
+)
 
 CHANCE = 0.5
+TRANSFORMER, STACK = "transformer", "stack"
+PREFERRED = (TRANSFORMER, STACK)  # who takes a tie, in this order
+VAL_FOLDS = 2  # halves of val: one chooses (an epoch, a calibration), the other judges
+# What each metric is called in messages, and whether higher is better.
+METRIC_LABELS = {"roc_auc": "ROC AUC", "pr_auc": "PR AUC", "log_loss": "log loss"}
 
 
 @dataclass(frozen=True)
 class Decision:
-    """Whether the candidate becomes the champion, which check decided, why, the fix, and
-    every model's val ROC AUC that took part (`transformer`, `baseline_<name>`, `champion`)."""
+    """Which candidate is registered (`kind`), whether it becomes the champion, which check
+    decided, why, the fix, and every candidate's honest val metrics (`val_metrics[kind]`,
+    and the current champion's ROC AUC as `val_metrics["champion"]`)."""
 
     promote: bool
     check: str  # promoted | first_champion | too_few_conversions | not_above_chance | ...
     reason: str
     fix: str = ""
-    val_roc_auc: dict[str, float] = field(default_factory=dict)
+    kind: str = TRANSFORMER
+    val_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def summary(self) -> str:
         """The one line a person reads: the reason, and the fix when there is one."""
         return f"{self.reason}; {self.fix}" if self.fix else self.reason
+
+    @property
+    def val_roc_auc(self) -> dict[str, float]:
+        return {kind: m["roc_auc"] for kind, m in self.val_metrics.items() if "roc_auc" in m}
+
+    @property
+    def guard_passed(self) -> bool:
+        """Whether a candidate passed the guard (it may still not beat the champion)."""
+        return self.check in ("promoted", "first_champion", "not_better_than_champion")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,93 +91,206 @@ class Decision:
 
 def decide(
     labels: np.ndarray,
-    candidate: np.ndarray,
-    baselines: dict[str, np.ndarray],
+    candidates: dict[str, np.ndarray],
     champion: np.ndarray | float | None,
     settings: Promotion,
 ) -> Decision:
-    """The promotion decision on the val split: `labels` and each model's val scores
-    (`candidate`, every `baselines[name]`, and `champion`, the current champion's scores
-    on the same journeys, its logged val ROC AUC when it could not score them, or None
-    when there is no champion yet). See the module docstring for the checks."""
+    """The decision on the val split: `labels`, each candidate's honest val probabilities
+    (`candidates[kind]`, the transformer first), and `champion`: the current champion's
+    scores on the same journeys, its logged val ROC AUC when it could not score them, or
+    None when there is none yet. See the module docstring for the checks."""
     labels = np.asarray(labels).astype(bool)
     conversions, n = int(labels.sum()), labels.size
-    if not settings.guard:
-        return _against_champion(labels, candidate, champion, {}, " (promotion.guard off)")
+    if not settings.guard:  # plumbing and demos: the transformer, against the champion only
+        metrics = {kind: _metrics(labels, scores) for kind, scores in candidates.items()}
+        return _against_champion(
+            labels, TRANSFORMER, candidates[TRANSFORMER], champion, metrics,
+            " (promotion.guard off)",
+        )  # fmt: skip
     if conversions < settings.min_val_conversions or conversions == n:
         return Decision(
             False,
             "too_few_conversions",
             f"the val split holds {conversions} conversions of {n} journeys, fewer than "
             f"promotion.min_val_conversions ({settings.min_val_conversions}): no model can "
-            "be chosen on it, the champion stays",
-            "give val more journeys (a longer log, or a larger val share in split.fractions)",
+            f"be chosen on it, {_champion_stays(champion)}",
+            "give val more journeys (a longer log, then `journeys ingest` with a larger val "
+            "share in split.fractions)",
         )
-    aucs = {"transformer": _auc(labels, candidate)}
-    aucs |= {f"baseline_{name}": _auc(labels, scores) for name, scores in baselines.items()}
-    if champion is not None:
-        aucs["champion"] = float(champion) if np.ndim(champion) == 0 else _auc(labels, champion)
-    auc = aucs["transformer"]
-    low, high = roc_auc_interval(labels, candidate, settings.confidence)
-    if not low > CHANCE:
+    metrics = {kind: _metrics(labels, scores) for kind, scores in candidates.items()}
+    low = {
+        kind: roc_auc_interval(labels, s, settings.confidence)[0] for kind, s in candidates.items()
+    }
+    passing = [kind for kind in candidates if low[kind] > CHANCE]
+    if not passing:
+        best = max(candidates, key=lambda kind: _finite(metrics[kind]["roc_auc"]))
         return Decision(
             False,
             "not_above_chance",
-            f"val ROC AUC {auc:.4f} [{low:.4f}, {high:.4f}] is not above chance: the "
-            "transformer did not learn, the champion stays",
-            "check the labels and the split (the ingest report), or train longer (train.min_steps)",
-            aucs,
+            f"no candidate's val ROC AUC is above chance (the best, {best}: "
+            f"{metrics[best]['roc_auc']:.4f}, interval from {low[best]:.4f}): nothing "
+            f"learned to rank these journeys, {_champion_stays(champion)}",
+            "check the labels and the split (the ingest report: a conversion event that "
+            "does not mean conversion, a split whose val differs from train)",
+            best,
+            metrics,
         )
-    ahead = []
-    for name, scores in baselines.items():
-        difference, upper = paired_roc_auc_difference(
-            labels, candidate, scores, settings.confidence
-        )
-        if upper < 0:  # the baseline is ahead beyond doubt
-            ahead.append((difference, name))
-    if ahead:
-        _, name = min(ahead)
-        return Decision(
-            False,
-            "below_baseline",
-            f"baseline_{name} (val ROC AUC {aucs[f'baseline_{name}']:.4f}) is ahead of the "
-            f"transformer ({auc:.4f}) by a paired test on the same val journeys: the champion "
-            "stays",
-            f"use baseline_{name} for this log, or give the transformer what it uses "
-            "(docs/model.md)",
-            aucs,
-        )
-    return _against_champion(labels, candidate, champion, aucs)
+    order = ranking(passing, metrics, settings.tie_margin)
+    chosen, passed_over = _on_every_metric(labels, order, candidates, settings)
+    return _against_champion(
+        labels,
+        chosen,
+        candidates[chosen],
+        champion,
+        metrics,
+        _why(chosen, order, metrics, passed_over),
+    )
+
+
+def ranking(kinds: list[str], metrics: dict[str, dict[str, float]], tie_margin: float) -> list[str]:
+    """`kinds` best first by val ROC AUC, a tie going to the preferred: each place goes to
+    the transformer if it is within `tie_margin` of the best left, else the stack if it
+    is, else the best."""
+
+    def auc(kind: str) -> float:
+        return _finite(metrics[kind]["roc_auc"])
+
+    left, order = list(kinds), []
+    while left:
+        best = max(auc(kind) for kind in left)
+        tied = [kind for kind in left if best - auc(kind) <= tie_margin]
+        preferred = [kind for kind in PREFERRED if kind in tied]
+        chosen = preferred[0] if preferred else max(tied, key=auc)
+        order.append(chosen)
+        left.remove(chosen)
+    return order
+
+
+def _on_every_metric(
+    labels: np.ndarray, order: list[str], candidates: dict[str, np.ndarray], settings: Promotion
+) -> tuple[str, list[str]]:
+    """The first candidate of `order` that no rival beats clearly on another metric of
+    `promotion.metrics` (a rival that is itself clearly behind on ROC AUC does not count);
+    the first of `order` when every one is beaten. Also: why each one before it was passed
+    over."""
+    others = [m for m in settings.metrics if m != "roc_auc"]
+    passed_over = []
+    for kind in order:
+        beaten = None
+        for rival in order:
+            if rival == kind or _clearly_better(
+                labels, candidates[kind], candidates[rival], "roc_auc", settings.confidence
+            ):
+                continue
+            beaten = next(
+                (
+                    m
+                    for m in others
+                    if _clearly_better(
+                        labels,
+                        candidates[rival],
+                        candidates[kind],
+                        m,
+                        settings.confidence,
+                        settings.metric_tolerance,
+                    )
+                ),
+                None,
+            )
+            if beaten:
+                passed_over.append(
+                    f"{kind} passed over: {rival} is clearly better on val {METRIC_LABELS[beaten]}"
+                )
+                break
+        if beaten is None:
+            return kind, passed_over
+    return order[0], [*passed_over, "every candidate is beaten on one metric: ROC AUC decides"]
+
+
+def _clearly_better(
+    labels: np.ndarray,
+    first: np.ndarray,
+    second: np.ndarray,
+    metric: str,
+    confidence: float,
+    tolerance: float = 0.0,
+) -> bool:
+    """Whether `first` is ahead of `second` on `metric` beyond doubt (one-sided, paired)
+    and by more than `tolerance` of `first`'s own figure."""
+    if metric == "roc_auc":
+        difference, upper = paired_roc_auc_difference(labels, second, first, confidence)
+        size = tolerance * _finite(_auc(labels, first))
+    elif metric == "pr_auc":
+        difference, upper = paired_average_precision_difference(labels, second, first, confidence)
+        size = tolerance * _metrics(labels, first)["pr_auc"]
+    else:  # log loss: lower is better
+        difference, upper = paired_log_loss_difference(labels, first, second, confidence)
+        size = tolerance * _metrics(labels, first)["log_loss"]
+    return bool(upper < 0 and -difference > size)
+
+
+def _why(
+    chosen: str, order: list[str], metrics: dict[str, dict[str, float]], passed_over: list[str]
+) -> str:
+    auc = metrics[chosen]["roc_auc"]
+    best = max(order, key=lambda kind: _finite(metrics[kind]["roc_auc"]))
+    text = f"{chosen} serves (val ROC AUC {auc:.4f}"
+    if best != chosen:
+        text += f"; {best} {metrics[best]['roc_auc']:.4f}"
+    if chosen != TRANSFORMER and TRANSFORMER in metrics:
+        text += f"; transformer {metrics[TRANSFORMER]['roc_auc']:.4f}"
+    text += ")"
+    return "; ".join([text, *passed_over])
 
 
 def _against_champion(
     labels: np.ndarray,
-    candidate: np.ndarray,
+    kind: str,
+    scores: np.ndarray,
     champion: np.ndarray | float | None,
-    aucs: dict[str, float],
-    note: str = "",
+    metrics: dict[str, dict[str, float]],
+    why: str,
 ) -> Decision:
     """The last check: ahead of the champion on the same val journeys (or its logged AUC)."""
-    aucs = {"transformer": _auc(labels, candidate), **aucs}
-    if champion is not None and "champion" not in aucs:
-        aucs["champion"] = float(champion) if np.ndim(champion) == 0 else _auc(labels, champion)
-    auc = aucs["transformer"]
+    auc = metrics[kind]["roc_auc"]
     if champion is None:
-        return Decision(
-            True, "first_champion", f"first champion (val ROC AUC {auc:.4f}){note}", "", aucs
-        )
-    best = aucs["champion"]
+        return Decision(True, "first_champion", f"first champion: {why.strip()}", "", kind, metrics)
+    best = float(champion) if np.ndim(champion) == 0 else _auc(labels, np.asarray(champion))
+    metrics = {**metrics, "champion": {"roc_auc": best}}
     where = "logged" if np.ndim(champion) == 0 else "on the same val journeys"
     if not (math.isfinite(best) and auc <= best):
-        reason = f"val ROC AUC {auc:.4f} > champion's {best:.4f} ({where}){note}"
-        return Decision(True, "promoted", reason, "", aucs)
+        reason = f"{why.strip()}: val ROC AUC {auc:.4f} > champion's {best:.4f} ({where})"
+        return Decision(True, "promoted", reason, "", kind, metrics)
     return Decision(
         False,
         "not_better_than_champion",
-        f"val ROC AUC {auc:.4f} <= champion's {best:.4f} ({where}): the champion stays{note}",
+        f"{why.strip()}: val ROC AUC {auc:.4f} <= champion's {best:.4f} ({where}): the "
+        "champion stays",
         "",
-        aucs,
+        kind,
+        metrics,
     )
+
+
+def _champion_stays(champion: np.ndarray | float | None) -> str:
+    return "no champion is served" if champion is None else "the champion stays"
+
+
+def _metrics(labels: np.ndarray, probabilities: np.ndarray) -> dict[str, float]:
+    """ROC AUC and PR AUC of the scores as they are, log loss of them as probabilities."""
+    from sklearn.metrics import average_precision_score
+
+    from journeys.metrics import PROB_EPS
+
+    p = np.clip(np.asarray(probabilities, dtype=np.float64), PROB_EPS, 1 - PROB_EPS)
+    two_classes = bool(labels.any() and not labels.all())
+    return {
+        "roc_auc": _auc(labels, probabilities),
+        "pr_auc": float(average_precision_score(labels, probabilities))
+        if two_classes
+        else math.nan,
+        "log_loss": float(-np.mean(labels * np.log(p) + (~labels) * np.log1p(-p))),
+    }
 
 
 def _auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -152,3 +299,51 @@ def _auc(labels: np.ndarray, scores: np.ndarray) -> float:
     if labels.all() or not labels.any():
         return math.nan  # one class: no ranking to measure
     return float(roc_auc_score(labels, scores))
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else -math.inf
+
+
+# ----------------------------------------------------------------------------- honest val
+
+
+def val_folds(labels: np.ndarray, seed: int) -> np.ndarray:
+    """A fold (0 .. VAL_FOLDS - 1) for every val journey, each class dealt out evenly."""
+    labels = np.asarray(labels).astype(bool)
+    folds = np.empty(labels.size, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    for value in (False, True):
+        rows = np.flatnonzero(labels == value)
+        folds[rng.permutation(rows)] = np.arange(rows.size) % VAL_FOLDS
+    return folds
+
+
+def cross_fitted_logits(history: np.ndarray, labels: np.ndarray, folds: np.ndarray) -> np.ndarray:
+    """Each val journey's logit from the epoch the *other* folds chose (the best ROC AUC
+    there): `history` is [epochs, journeys], every validated epoch's val logits."""
+    history = np.atleast_2d(np.asarray(history, dtype=np.float64))
+    labels = np.asarray(labels).astype(bool)
+    out = np.empty(labels.size)
+    for fold in range(VAL_FOLDS):
+        held, chooses = folds == fold, folds != fold
+        aucs = [_auc(labels[chooses], epoch[chooses]) for epoch in history]
+        epoch = int(np.argmax([_finite(a) for a in aucs]))
+        out[held] = history[epoch, held]
+    return out
+
+
+Calibrator = Callable[[np.ndarray, np.ndarray], Callable[[np.ndarray], np.ndarray]]
+
+
+def cross_fitted_calibration(
+    scores: np.ndarray, labels: np.ndarray, folds: np.ndarray, fit: Calibrator
+) -> np.ndarray:
+    """Probabilities for `scores` from a calibration (`fit(scores, labels)` returns the
+    map) fitted on the other folds: what val-fitted calibration looks like on new data."""
+    scores, labels = np.asarray(scores), np.asarray(labels)
+    out = np.empty(scores.size)
+    for fold in range(VAL_FOLDS):
+        held = folds == fold
+        out[held] = fit(scores[~held], labels[~held])(scores[held])
+    return out

@@ -87,7 +87,14 @@ from journeys.datasets import (
 from journeys.errors import ConfigError, InputError, first_line
 from journeys.in_flight import cut_at, in_flight_probability, mark_open
 from journeys.storage import atomic_dir, link_or_copy, scratch_dir
-from journeys.tracking import CHAMPION_ALIAS, STAGE_TAG, mlflow_run, tracking_ready
+from journeys.tracking import (
+    CHAMPION_ALIAS,
+    STAGE_TAG,
+    champion_version,
+    mlflow_run,
+    no_champion,
+    tracking_ready,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -762,6 +769,8 @@ def score_command(
         raise InputError(
             f"model {uri} not found: no MLflow store at {redact_uri(store)} (train first)"
         )
+    if model_uri is None and champion_version(store, config.mlflow.registered_model) is None:
+        raise no_champion(store, config.mlflow.registered_model)  # the guard's decision, its fix
     moment = parse_as_of(as_of, config.data.timezone)
     trained = load_model(uri, tracking_uri=store)
     source = str(input_path or config.paths.journeys)

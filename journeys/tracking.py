@@ -46,6 +46,7 @@ CHAMPION_REASON_TAG = "champion_reason"
 # Which check of `journeys.promotion` decided: promoted, first_champion, below_baseline, ...
 CHAMPION_CHECK_TAG = "champion_check"
 VAL_ROC_AUC_TAG = "val_roc_auc"  # on each model version: what promotion compared
+MODEL_KIND_TAG = "model_kind"  # on each model version: transformer, stack or baseline_<name>
 # On the transformer run: the baselines whose test ROC AUC beat its 95% interval ("none").
 BASELINES_AHEAD_TAG = "baselines_ahead"
 # A tracking server that does not answer this fast is treated as unreachable: training
@@ -354,9 +355,10 @@ def register_model(run: TrackedRun, model_uri: str, name: str, decision: Decisio
     from mlflow.exceptions import MlflowException
 
     client = run.client
-    auc = decision.val_roc_auc.get("transformer", math.nan)
+    auc = decision.val_roc_auc.get(decision.kind, math.nan)
+    version_tags = {VAL_ROC_AUC_TAG: str(auc), MODEL_KIND_TAG: decision.kind}
     with use_tracking_uri(run.uri):  # mlflow.register_model knows no other store
-        version = mlflow.register_model(model_uri, name, tags={VAL_ROC_AUC_TAG: str(auc)})
+        version = mlflow.register_model(model_uri, name, tags=version_tags)
     new = int(version.version)
     if decision.promote:
         client.set_registered_model_alias(name, CHAMPION_ALIAS, str(new))
@@ -373,7 +375,7 @@ def register_model(run: TrackedRun, model_uri: str, name: str, decision: Decisio
     }
     for key, value in tags.items():
         client.set_model_version_tag(name, str(new), key, value)
-    run.set_tags({**tags, REGISTERED_VERSION_TAG: f"{name}/{new}"})
+    run.set_tags({**tags, MODEL_KIND_TAG: decision.kind, REGISTERED_VERSION_TAG: f"{name}/{new}"})
     return Registration(new, champion_version, decision.promote, decision.summary)
 
 
@@ -400,8 +402,29 @@ def champion_uri(uri: str, name: str) -> tuple[str, str]:
         raise InputError(f"no MLflow store at {redact_uri(uri)}: train first")
     version = champion_version(uri, name)
     if version is None:
-        raise InputError(f"no champion version of model {name!r}: train first")
+        raise no_champion(uri, name)
     return f"models:/{name}/{version.version}", version.run_id or ""
+
+
+def no_champion(uri: str, name: str) -> InputError:
+    """The error for a model `name` without a champion: what the last training's guard
+    decided and its fix when a training registered a version, else "train first"."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = MlflowClient(tracking_uri=uri).search_model_versions(
+            f"name = '{name}'", order_by=["version_number DESC"], max_results=1
+        )
+    except MlflowException:
+        versions = []
+    reason = versions[0].tags.get(CHAMPION_REASON_TAG) if versions else None
+    if not reason:
+        return InputError(f"no champion version of model {name!r}: train first")
+    return InputError(
+        f"no champion version of model {name!r}: the last training (version "
+        f"{versions[0].version}) served none: {reason}"
+    )
 
 
 def training_summary(uri: str, run_id: str, registered_model: str) -> dict[str, Any]:
@@ -425,6 +448,7 @@ def training_summary(uri: str, run_id: str, registered_model: str) -> dict[str, 
         "champion_version": int(champion.version) if champion else None,
         "promoted": run.data.tags.get(CHAMPION_DECISION_TAG) == "promoted",
         "champion_check": run.data.tags.get(CHAMPION_CHECK_TAG, ""),
+        "model_kind": run.data.tags.get(MODEL_KIND_TAG, "transformer"),
         "champion_reason": run.data.tags.get(CHAMPION_REASON_TAG, ""),
         "baselines_ahead": [
             name

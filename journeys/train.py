@@ -12,14 +12,19 @@
    `paths.checkpoints/<run_id>/`, stopping early on no improvement;
 3. **evaluate**: rank 0 reloads the best checkpoint, scores val and test with the one
    inference path, fits a temperature on val, and computes test metrics and plots;
-4. **baselines**: those in `train.baselines` are fitted on train, scored on the same val
-   and test journeys and logged as their own runs;
-5. **choose, log and register**: `journeys.promotion` decides on the val journeys alone
-   whether the transformer becomes the champion (above chance, not behind a baseline by
-   a paired test, ahead of the champion); the metrics, plots, the decision and the
-   `TrainedModel` (`journeys.trained_model`) go to the run, and the model is registered,
-   the `champion` alias moving as decided;
-6. **compare**: one table of every model on the test split, reported, never chosen on.
+4. **the other candidates**: the baselines in `train.baselines` are fitted on train,
+   scored on the same val and test journeys and logged as their own runs; the stack
+   (`train.stack`) blends the transformer with `hgb_aggregates`' model; each candidate
+   gets honest val probabilities (the transformer's checkpoint and the calibrations
+   cross-fitted on val);
+5. **choose, log and register**: `journeys.promotion` picks on the val journeys alone
+   which candidate is registered (above chance, the best on val with ties to the
+   transformer, not clearly worse on PR AUC or log loss) and whether it becomes the
+   champion (ahead of the champion); the metrics, plots, the decision and the
+   `TrainedModel` (`journeys.trained_model`: the transformer, serving the chosen
+   candidate's probability) go to the run, and the model is registered with its
+   `model_kind`, the `champion` alias moving as decided;
+6. **compare**: one table of every candidate on the test split, reported, never chosen on.
 
 `--resume` continues the last interrupted training from its `last.ckpt`, in the same
 MLflow run: `paths.checkpoints/latest.json` records the run id beside the checkpoints.
@@ -73,8 +78,9 @@ from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_m
 from journeys.vocab import Vocabularies
 
 if TYPE_CHECKING:
+    from journeys.baselines import Baseline
     from journeys.config import Config, Train
-    from journeys.stacking import FittedStack
+    from journeys.stacking import Stack
     from journeys.tracking import Registration, TrackedRun
 
 MODEL_FAMILY = "transformer"
@@ -99,8 +105,9 @@ class TrainResult:
     promoted: bool
     checkpoint: str
     baselines: dict[str, BaselineRun] = field(default_factory=dict)
+    model_kind: str = "transformer"  # the candidate the registered version serves
     # journey_id, label, probability (uncalibrated) on the test split, from the in-memory
-    # model
+    # transformer
     test_predictions: pl.DataFrame | None = None
 
 
@@ -163,39 +170,27 @@ def train_command(
                 quiet_survival=quiet_survival(journeys, config.journey.max_gap_delta),
             )
             metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
-            # 4. baselines, fitted on train, scored on the same val and test journeys; and
-            # the stack of the transformer with one of them, when asked for
-            baselines = run_baselines_beside(run, config, journeys)
-            candidate = predictions(fitted.datamodule.splits["val"], evaluation.val_logits)
-            if config.train.stack and not config.model.causal:
-                stacked = stack_beside(config, journeys, fitted, evaluation)
-                trained.stack = stacked.stack
-                metrics |= stacked_metrics(stacked, fitted)
-                candidate = candidate.with_columns(probability=M.sigmoid(stacked.val_logits))
-            # 5. choose on val (never on test), log and register
-            val = journeys.filter(pl.col("split") == "val")
-            decision = choose(config, uri, val, candidate, baselines)
+            # 4. the other candidates: each baseline fitted on train (and logged as its own
+            # run), and the stack; every candidate scored on the same val and test journeys
+            splits = in_data_module_order(journeys, fitted)
+            baselines = run_baselines_beside(run, config, splits)
+            candidates = candidates_beside(config, splits, fitted, evaluation, baselines)
+            # 5. choose among them on val (never on test), log and register
+            decision = choose(config, uri, candidates, splits["val"])
+            trained = candidates.serving(trained, decision.kind)
+            metrics |= candidates.metrics(decision.kind)
+            metrics |= {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
             registration, model_uri = log_and_register(
                 run, config, trained, evaluation, metrics, best, decision
             )
         write_state(root, {**read_state(root), "status": "done"})
         print(
-            f"transformer run {run.run_id}: model version {registration.version}; "
-            f"{decision.summary}"
+            f"transformer run {run.run_id}: model version {registration.version} "
+            f"({decision.kind}); {decision.summary}"
         )
         # 6. every model side by side on test: reported, never chosen on
-        scores = evaluation.metrics
-        rows = [(MODEL_FAMILY, scores), (f"{MODEL_FAMILY} (calibrated)", _calibrated(scores))]
-        if trained.stack is not None:
-            stacked = {
-                f"test_{key.removeprefix('stacked_test_')}": value
-                for key, value in metrics.items()
-                if key.startswith("stacked_test_")
-            }
-            rows.append(("stacked (served)", stacked))
-        rows += [(f"baseline_{name}", result.metrics) for name, result in baselines.items()]
-        print_comparison(rows, sizes["test"])
-        flag_baselines_ahead(run, scores, baselines)
+        print_comparison(candidates.comparison(decision.kind), sizes["test"])
+        flag_baselines_ahead(run, evaluation.metrics, baselines)
 
     test = fitted.datamodule.splits["test"]
     return TrainResult(
@@ -208,6 +203,7 @@ def train_command(
         promoted=registration.promoted,
         checkpoint=best,
         baselines=baselines,
+        model_kind=decision.kind,
         test_predictions=predictions(test, evaluation.test_logits),
     )
 
@@ -498,107 +494,170 @@ def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, flo
 
 @dataclass
 class BaselineRun:
+    """A baseline's run: its test metrics, its probabilities on val and test (in the data
+    module's order) and the fitted model, a candidate for the champion."""
+
     run_id: str | None
     metrics: dict[str, float]
-    val_scores: pl.DataFrame  # journey_id, probability: what promotion compares
+    val_scores: np.ndarray
+    test_scores: np.ndarray
+    model: Baseline
+
+
+def in_data_module_order(journeys: pl.DataFrame, fitted: Fitted) -> dict[str, pl.DataFrame]:
+    """The labelled journeys of each split, in the data module's order (that of the
+    transformer's logits): every candidate is scored on the same rows in the same order."""
+
+    def split(name: str) -> pl.DataFrame:
+        ids = pl.DataFrame({"journey_id": fitted.datamodule.splits[name].journey_ids})
+        return ids.join(journeys, on="journey_id", how="left", maintain_order="left")
+
+    return {name: split(name) for name in SPLITS}
 
 
 def run_baselines_beside(
-    run: TrackedRun, config: Config, frame: pl.DataFrame
+    run: TrackedRun, config: Config, splits: dict[str, pl.DataFrame]
 ) -> dict[str, BaselineRun]:
-    """The configured baselines, fitted on the train journeys of `frame` (labelled, every
-    split) and logged in the same experiment, tagged with the transformer run's id (their
-    comparison group)."""
+    """The configured baselines, fitted on the train journeys and logged in the same
+    experiment, tagged with the transformer run's id (their comparison group)."""
     from journeys.baselines import run_baselines
 
     results = []
     group = {tracking.COMPARISON_GROUP_TAG: run.run_id}
-    val = frame.filter(pl.col("split") == "val")
     if config.train.baselines:
         with tempfile.TemporaryDirectory(prefix="journeys-baselines-") as tmp:
             results = run_baselines(
                 list(config.train.baselines),
-                frame.filter(pl.col("split") == "train"),
-                val,
-                frame.filter(pl.col("split") == "test"),
+                splits["train"],
+                splits["val"],
+                splits["test"],
                 config,
                 Path(tmp),
                 tags=group,
             )
     run.set_tags(group)
-    ids = val.get_column("journey_id")
     return {
-        r.name: BaselineRun(
-            r.run_id, r.metrics, pl.DataFrame({"journey_id": ids, "probability": r.val_probs})
-        )
-        for r in results
+        r.name: BaselineRun(r.run_id, r.metrics, r.val_probs, r.probs, r.model) for r in results
     }
 
 
 # ----------------------------------------------------------------------------- 5. choose, register
 
 
-def stack_beside(
-    config: Config, journeys: pl.DataFrame, fitted: Fitted, evaluation: Evaluation
-) -> FittedStack:
-    """`train.stack`: gradient boosting on aggregates fitted on train, blended with the
-    transformer on val (`journeys.stacking`)."""
-    from journeys.baselines import JourneyAggregates
-    from journeys.stacking import fit_stack
+@dataclass
+class Candidates:
+    """Every candidate of the run, on the same val and test journeys (the data module's
+    order): honest val probabilities (`val`: journey_id, label and one column per kind,
+    the transformer first), test probabilities and what the registered model serves for
+    each kind (`journeys.trained_model.TrainedModel`: a stack, a baseline, or nothing for
+    the transformer)."""
 
-    def in_order(split: str) -> pl.DataFrame:  # the data module's order, as the logits
-        ids = pl.DataFrame({"journey_id": fitted.datamodule.splits[split].journey_ids})
-        return ids.join(journeys, on="journey_id", how="left", maintain_order="left")
+    val: pl.DataFrame
+    test_labels: np.ndarray
+    test: dict[str, np.ndarray]
+    heads: dict[str, Stack | Baseline | None]
 
-    print("stack: gradient boosting on journey aggregates, blended with the transformer on val")
-    aggregates = JourneyAggregates(
-        config.data.features,
-        config.data.timezone,
-        config.model.visit_gap_s,
-        config.data.numeric_features,
-    )
-    return fit_stack(
-        journeys.filter(pl.col("split") == "train"),
-        in_order("val"),
-        in_order("test"),
-        evaluation.val_logits,
-        evaluation.test_logits,
-        aggregates,
-        config.train.seed,
-    )
+    @property
+    def kinds(self) -> list[str]:
+        return list(self.test)
+
+    def val_probabilities(self) -> dict[str, np.ndarray]:
+        return {kind: self.val.get_column(kind).to_numpy() for kind in self.kinds}
+
+    def serving(self, trained: TrainedModel, kind: str) -> TrainedModel:
+        """`trained` (the transformer) serving `kind`'s probability."""
+        from journeys.stacking import Stack
+
+        head = self.heads[kind]
+        trained.stack = head if isinstance(head, Stack) else None
+        trained.baseline = None if head is None or isinstance(head, Stack) else head
+        return trained
+
+    def test_metrics(self, kind: str, prefix: str) -> dict[str, float]:
+        return M.binary_metrics(self.test_labels, self.test[kind], prefix=prefix)
+
+    def metrics(self, served: str) -> dict[str, float]:
+        """What the run logs of the candidates: the stack's test metrics (`stacked_test_*`)
+        and the served model's (`served_test_*`)."""
+        out = self.test_metrics(served, "served_test_")
+        if "stack" in self.test:
+            out |= self.test_metrics("stack", "stacked_test_")
+        return out
+
+    def comparison(self, served: str) -> list[tuple[str, dict[str, float]]]:
+        """The rows of the test comparison, the served one marked."""
+        rows = []
+        for kind in self.kinds:
+            name = f"{kind} (served)" if kind == served else kind
+            rows.append((name, self.test_metrics(kind, "test_")))
+        return rows
 
 
-def stacked_metrics(stacked: FittedStack, fitted: Fitted) -> dict[str, float]:
-    """The stack's test metrics (`stacked_test_*`) and its cross-fitted val ROC AUC."""
-    val, test = fitted.datamodule.splits["val"], fitted.datamodule.splits["test"]
-    scores = M.binary_metrics(
-        test.labels.numpy(), M.sigmoid(stacked.test_logits), prefix="stacked_test_"
-    )
-    val_scores = M.binary_metrics(
-        val.labels.numpy(), M.sigmoid(stacked.val_logits), prefix="stacked_val_", intervals=False
-    )
-    return scores | {"stacked_val_roc_auc": val_scores["stacked_val_roc_auc"]}
-
-
-def choose(
+def candidates_beside(
     config: Config,
-    uri: str,
-    val: pl.DataFrame,
-    candidate: pl.DataFrame,
+    splits: dict[str, pl.DataFrame],
+    fitted: Fitted,
+    evaluation: Evaluation,
     baselines: dict[str, BaselineRun],
-) -> Decision:
-    """Whether this run's model (`candidate`: journey_id and its val probability: the
-    transformer's, or the stack's cross-fitted) becomes the champion, decided on the `val`
-    journeys alone (`journeys.promotion`): against chance, the baselines and the champion."""
-    ids = val.select("journey_id")
+) -> Candidates:
+    """The transformer, the stack (`train.stack`, journey-level models) and each baseline,
+    with honest val probabilities (`journeys.promotion`): the transformer's checkpoint and
+    temperature, and the stack's calibration, are cross-fitted on val."""
+    from journeys import promotion
+    from journeys.baselines import BaselineSettings, fit_baseline
+    from journeys.stacking import blended, fit_stack, logit, platt
 
-    def on_val(scores: pl.DataFrame) -> np.ndarray:
-        return ids.join(scores, on="journey_id", how="left").get_column("probability").to_numpy()
+    val, test = splits["val"], splits["test"]
+    labels = val.get_column("label").to_numpy().astype(np.int64)
+    folds = promotion.val_folds(labels, config.train.seed)
+    history = [h.numpy() for h in fitted.module.val_history]
+    honest = promotion.cross_fitted_logits(
+        np.stack(history) if history else evaluation.val_logits[None], labels, folds
+    )
 
+    def temperature(scores: np.ndarray, y: np.ndarray) -> Any:
+        fitted_t = M.fit_temperature(scores, y)
+        return lambda x: M.sigmoid(x, fitted_t)
+
+    def platt_scaling(scores: np.ndarray, y: np.ndarray) -> Any:
+        slope, intercept = platt(scores, y)
+        return lambda x: M.sigmoid(slope * x + intercept)
+
+    transformer_val = promotion.cross_fitted_calibration(honest, labels, folds, temperature)
+    test_labels = test.get_column("label").to_numpy().astype(np.int64)
+    val_columns = {"transformer": transformer_val}
+    test_scores = {"transformer": M.sigmoid(evaluation.test_logits, evaluation.temperature)}
+    heads: dict[str, Stack | Baseline | None] = {"transformer": None}
+    models = {name: run.model for name, run in baselines.items()}
+    if config.train.stack and not config.model.causal:
+        booster = models.get("hgb_aggregates")
+        if booster is None:  # the stack's booster, when the run has no such baseline
+            settings = BaselineSettings.from_config(config)
+            booster = fit_baseline("hgb_aggregates", splits["train"], settings)
+        print("stack: the transformer blended with gradient boosting on journey aggregates")
+        stack = fit_stack(booster, val, evaluation.val_logits, evaluation.temperature)
+        booster_val = logit(booster.predict_proba(val))
+        val_columns["stack"] = promotion.cross_fitted_calibration(
+            blended(logit(transformer_val), booster_val), labels, folds, platt_scaling
+        )
+        test_scores["stack"] = M.sigmoid(stack.combine(evaluation.test_logits, test))
+        heads["stack"] = stack
+    for name, run in baselines.items():
+        kind = f"baseline_{name}"
+        val_columns[kind] = run.val_scores
+        test_scores[kind] = run.test_scores
+        heads[kind] = models[name]
+    frame = val.select("journey_id", "label", *(pl.Series(k, v) for k, v in val_columns.items()))
+    return Candidates(frame, test_labels, test_scores, heads)
+
+
+def choose(config: Config, uri: str, candidates: Candidates, val: pl.DataFrame) -> Decision:
+    """Which candidate is registered and whether it becomes the champion, decided on the
+    `val` journeys alone (`journeys.promotion`): against chance, one another and the
+    champion."""
     return decide(
-        val.get_column("label").to_numpy(),
-        on_val(candidate),
-        {name: on_val(baseline.val_scores) for name, baseline in baselines.items()},
+        candidates.val.get_column("label").to_numpy(),
+        candidates.val_probabilities(),
         champion_val_scores(config, uri, val),
         config.promotion,
     )
@@ -635,7 +694,7 @@ def log_and_register(
     """Log metrics, plots, the decision and the model to the run, and register the model
     (the `champion` alias moves as `decision` says); return the registration and the
     logged model's URI."""
-    run.log_metrics({**metrics, **{f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}})
+    run.log_metrics(metrics)
     for path in evaluation.plots.values():
         run.log_artifact(path, "plots")
     run.log_dict(decision.to_dict(), PROMOTION_FILE)
@@ -654,29 +713,20 @@ def log_and_register(
 def flag_baselines_ahead(
     run: TrackedRun, scores: dict[str, float], baselines: dict[str, BaselineRun]
 ) -> list[str]:
-    """Say so, on the console and as a run tag, when a baseline beats the transformer
-    beyond the transformer's 95% interval."""
+    """Say so, on the console and as a run tag, when a baseline beats the transformer alone
+    beyond the transformer's 95% interval on test (what is served was chosen on val)."""
     from journeys.baselines import ahead_of_transformer
 
     ahead = ahead_of_transformer(scores, {name: b.metrics for name, b in baselines.items()})
     run.set_tags({tracking.BASELINES_AHEAD_TAG: ",".join(ahead) or "none"})
     for name in ahead:
         print(
-            f"warning: baseline_{name} (test ROC AUC "
-            f"{baselines[name].metrics['test_roc_auc']:.4f}) beats the transformer beyond its "
-            f"95% interval ({M.format_metric(scores, 'roc_auc')}): prefer it, or give "
-            "the transformer what it uses (docs/model.md)"
+            f"note: baseline_{name} (test ROC AUC "
+            f"{baselines[name].metrics['test_roc_auc']:.4f}) beats the transformer alone beyond "
+            f"its 95% interval ({M.format_metric(scores, 'roc_auc')}); the model served was "
+            "chosen among all of them on val (above)"
         )
     return ahead
-
-
-def _calibrated(scores: dict[str, float]) -> dict[str, float]:
-    """The calibrated row of the comparison: the raw ranking metrics and their intervals
-    (a temperature keeps the order; clipped probabilities would only add ties), the
-    calibrated log loss, Brier score and ECE."""
-    calibrated = {f"test_{m}": scores[f"test_{m}_calibrated"] for m in COMPARED_METRICS}
-    ranking = [f"test_{m}{end}" for m in M.INTERVAL_METRICS for end in ("", "_ci_low", "_ci_high")]
-    return calibrated | {name: scores[name] for name in ranking}
 
 
 def print_comparison(rows: list[tuple[str, dict[str, float]]], sizes: dict[str, int]) -> None:

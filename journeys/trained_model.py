@@ -18,7 +18,12 @@ the one way from a journeys frame to probabilities. On disk it is five plain fil
 - `vocab.json`: the train vocabularies (`Vocabularies.save` format);
 - `preprocessing.json`: the encoder's other settings, the journey rules and the quiet-time
   survival, with a `format_version`;
-- `calibration.json`: the temperature.
+- `calibration.json`: the temperature;
+- when another candidate of the run gives the probability (`kind`: the `stack`, or a
+  `baseline_<name>`, chosen by `journeys.promotion`), `head.json` (that model's fitted
+  state, versioned) and, for a boosted one, `head.skops` (its scikit-learn booster, read
+  back with skops, which loads only the types named in `BOOSTER_TYPES`). The network is
+  always there: its attention explains the journeys, whatever gives the probability.
 
 They are logged as the artifacts of an MLflow models-from-code pyfunc
 (`journeys/pyfunc_model.py`), so the model is registrable and servable, while `load_model`
@@ -49,6 +54,7 @@ from journeys.vocab import VOCAB_FILE
 if TYPE_CHECKING:
     import polars as pl
 
+    from journeys.baselines import Baseline
     from journeys.encoding import EncodedJourneys, JourneyEncoder
     from journeys.in_flight import QuietSurvival
     from journeys.model import JourneyTransformer, ModelConfig
@@ -60,6 +66,20 @@ MODEL_CONFIG = "model_config.json"
 PREPROCESSING = "preprocessing.json"
 CALIBRATION = "calibration.json"
 MODEL_FILES = (WEIGHTS, MODEL_CONFIG, VOCAB_FILE, PREPROCESSING, CALIBRATION)
+# The model that gives the probability when it is not the network (`TrainedModel.kind`).
+HEAD_FILE = "head.json"
+HEAD_BOOSTER = "head.skops"
+HEAD_FORMAT_VERSION = 1
+# Written before the head: a stack's blend and its booster (read back as a `stack` head).
+LEGACY_STACK_FILE, LEGACY_BOOSTER = "stack.json", "booster.skops"
+# The only types a booster file may hold besides skops' defaults (a fitted
+# HistGradientBoostingClassifier); a file with others is refused.
+BOOSTER_TYPES = (
+    "functools.partial",
+    "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
+    "sklearn.utils.validation.check_array",
+)
+TRANSFORMER = "transformer"  # the kind of a model whose network gives the probability
 # 1: one flat dictionary (up to December 2026); 2: encoder, rules and survival apart.
 FORMAT_VERSION = 2
 MODEL_NAME = "model"  # the artifact name under the run: runs:/<run_id>/model
@@ -182,8 +202,20 @@ class TrainedModel:
     quiet_survival: QuietSurvival | None = None
     model_uri: str = ""
     model_version: str | None = None
-    # With `train.stack`: gradient boosting on aggregates blended with the network's logit.
+    # What gives the probability when it is not the network (at most one of the two): the
+    # stack (gradient boosting on aggregates blended with the network's logit), or a
+    # baseline's model. The network's attention explains the journeys either way.
     stack: Stack | None = None
+    baseline: Baseline | None = None
+
+    @property
+    def kind(self) -> str:
+        """Which candidate gives the probability: `transformer`, `stack` or `baseline_<name>`."""
+        if self.stack is not None:
+            return "stack"
+        if self.baseline is not None:
+            return f"baseline_{self.baseline.name}"
+        return TRANSFORMER
 
     @property
     def config(self) -> ModelConfig:
@@ -219,13 +251,15 @@ class TrainedModel:
     def probabilities(
         self, logits: np.ndarray, frame: pl.DataFrame, calibrated: bool = True
     ) -> np.ndarray:
-        """What is served, from the network's logits for `frame`: the stack's blend when the
-        model has one (a logistic regression fitted on val: calibrated as it is), else the
+        """What is served, from the network's logits for `frame`: the stack's blend or the
+        baseline's probability when the model serves one (calibrated as they are), else the
         logits divided by the fitted temperature (`calibrated`) or as they are."""
         from journeys.metrics import sigmoid
 
         if self.stack is not None:
             return sigmoid(self.stack.combine(logits, frame))
+        if self.baseline is not None:
+            return self.baseline.predict_proba(frame)
         return sigmoid(logits, self.temperature if calibrated else 1.0)
 
     # ------------------------------------------------------------------------- files
@@ -262,8 +296,26 @@ class TrainedModel:
             json.dumps({"temperature": float(self.temperature)}) + "\n"
         )
         files = {name: folder / name for name in MODEL_FILES}
-        if self.stack is not None:
-            files |= {path.name: path for path in self.stack.save(folder)}
+        return files | self._save_head(folder)
+
+    def _save_head(self, folder: Path) -> dict[str, Path]:
+        """`head.json` (and `head.skops`) when another model gives the probability."""
+        baseline = self.stack.baseline if self.stack is not None else self.baseline
+        if baseline is None:
+            return {}
+        head = {
+            "format_version": HEAD_FORMAT_VERSION,
+            "kind": self.kind,
+            "baseline": baseline.state(),
+            "blend": self.stack.blend_state() if self.stack is not None else None,
+        }
+        (folder / HEAD_FILE).write_text(json.dumps(head, indent=2) + "\n")
+        files = {HEAD_FILE: folder / HEAD_FILE}
+        if baseline.booster is not None:
+            from skops.io import dump
+
+            dump(baseline.booster, folder / HEAD_BOOSTER)
+            files[HEAD_BOOSTER] = folder / HEAD_BOOSTER
         return files
 
     @classmethod
@@ -274,7 +326,6 @@ class TrainedModel:
         from safetensors.torch import load_model as load_weights
 
         from journeys.model import JourneyTransformer, ModelConfig
-        from journeys.stacking import Stack
         from journeys.vocab import Vocabularies
 
         folder = Path(folder)
@@ -303,7 +354,7 @@ class TrainedModel:
             encoder, rules, survival = _read_settings(
                 stored, Vocabularies.load(folder), model.config
             )
-            stack = Stack.load(folder)
+            stack, baseline = _read_head(folder)
         except Exception as err:  # safetensors, JSON, shape or key errors: a damaged model
             raise InputError(
                 f"{model_uri or folder}: damaged model files ({WEIGHTS}, {PREPROCESSING}, ...): "
@@ -315,6 +366,7 @@ class TrainedModel:
             encoder=encoder,
             rules=rules,
             stack=stack,
+            baseline=baseline,
             temperature=temperature,
             quiet_survival=survival,
             model_uri=model_uri or str(folder),
@@ -343,6 +395,48 @@ def _read_settings(
         JourneyRules.from_dict(stored["rules"]),
         QuietSurvival.from_dict(stored.get("quiet_survival")),
     )
+
+
+def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
+    """The stack or the baseline a saved model serves (neither: the network's own).
+
+    Skops (and with it scikit-learn) is imported only when there is a booster to read: a
+    transformer's scoring run never pays for it.
+    """
+    from journeys.baselines import BaselineSettings, HgbAggregates, JourneyAggregates, load_baseline
+    from journeys.stacking import Stack
+
+    def booster(name: str) -> Any:
+        if not (folder / name).exists():
+            return None
+        from skops.io import load
+
+        return load(folder / name, trusted=list(BOOSTER_TYPES))
+
+    if (folder / HEAD_FILE).exists():
+        head = json.loads((folder / HEAD_FILE).read_text())
+        if int(head["format_version"]) > HEAD_FORMAT_VERSION:
+            raise ValueError(f"{HEAD_FILE} is newer than this version of journeys reads")
+        baseline = load_baseline(head["baseline"], booster(HEAD_BOOSTER))
+        if head["kind"] != "stack":
+            return None, baseline
+        blend = head["blend"]
+        weights = tuple(float(w) for w in blend["weights"])
+        return Stack(baseline, (weights[0], weights[1]), float(blend["intercept"])), None  # type: ignore[arg-type]
+    if (folder / LEGACY_STACK_FILE).exists():  # a stack saved before the head
+        stored = json.loads((folder / LEGACY_STACK_FILE).read_text())
+        aggregates = JourneyAggregates.from_dict(stored["aggregates"])
+        settings = BaselineSettings(
+            features=tuple(aggregates.features),
+            timezone=aggregates.timezone,
+            visit_gap_s=aggregates.visit_gap_s,
+            numeric_features=tuple(aggregates.numeric),
+        )
+        legacy = HgbAggregates(settings)
+        legacy.aggregates, legacy.booster = aggregates, booster(LEGACY_BOOSTER)
+        weights = tuple(float(w) for w in stored["weights"])
+        return Stack(legacy, (weights[0], weights[1]), float(stored["intercept"])), None
+    return None, None
 
 
 def _migrate_format_1(flat: dict[str, Any], config: ModelConfig) -> dict[str, Any]:

@@ -159,6 +159,23 @@ def make_learnable_journeys(folder: str | Path, n: int = 400, seed: int = 0) -> 
     return Path(folder)
 
 
+def make_reversed_journeys(folder: str | Path, n: int = 1200, seed: int = 0) -> Path:
+    """`make_learnable_journeys` whose rule turns around after the train split: a cart
+    converts in train and does not in val and test (the shape of a real touchpoint log
+    whose val AUC peaked at the first epoch and fell below chance as the model learned).
+    Whatever learns train ranks val below chance."""
+    folder = make_journeys_dataset(folder, n=n, seed=seed)
+    part = Path(folder) / "part-00000.parquet"
+    frame = pl.read_parquet(part)
+    rng = np.random.default_rng(seed)
+    cart = frame.get_column("event_type").list.contains("add_to_cart").to_numpy()
+    later = frame.get_column("split").is_in(["val", "test"]).to_numpy()
+    rate = np.where(cart != later, 0.6, 0.05)
+    label = (rng.random(frame.height) < rate).astype(np.int8)
+    frame.with_columns(label=pl.Series(label)).write_parquet(part)
+    return Path(folder)
+
+
 @pytest.fixture
 def mlflow_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh SQLite tracking store in tmp_path, with artifacts and cwd there too."""

@@ -1,4 +1,5 @@
-"""The champion rule: chosen on the validation split, never below chance or a baseline."""
+"""The champion rule: chosen among the run's candidates on the validation split, judged on
+figures that did not choose, never below chance."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_journeys_dataset, make_learnable_journeys
+from conftest import make_journeys_dataset, make_learnable_journeys, make_reversed_journeys
 from mlflow import MlflowClient
 from sklearn.metrics import roc_auc_score
 
 from journeys import metrics as M
 from journeys import tracking
 from journeys.config import Promotion, load_config
-from journeys.promotion import decide
+from journeys.errors import ConfigError, InputError
+from journeys.promotion import (
+    cross_fitted_calibration,
+    cross_fitted_logits,
+    decide,
+    ranking,
+    val_folds,
+)
 
 SETTINGS = Promotion()
 
@@ -32,59 +40,143 @@ def noisier(signal: np.ndarray, noise: float, seed: int) -> np.ndarray:
     return signal + noise * np.random.default_rng(seed).normal(size=signal.size)
 
 
+def calibrated(scores: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Probabilities from scores, fitted to the labels (so log loss compares fairly)."""
+    from sklearn.linear_model import LogisticRegression
+
+    model = LogisticRegression().fit(scores[:, None], labels)
+    return model.predict_proba(scores[:, None])[:, 1]
+
+
 def test_a_good_candidate_becomes_the_first_champion() -> None:
     labels, signal = val_split()
-    decision = decide(labels, signal, {"prior": np.full(labels.size, 0.1)}, None, SETTINGS)
+    candidates = {"transformer": signal, "baseline_prior": np.full(labels.size, 0.1)}
+    decision = decide(labels, candidates, None, SETTINGS)
     assert decision.promote and decision.check == "first_champion"
+    assert decision.kind == "transformer"
     assert decision.val_roc_auc["transformer"] == pytest.approx(roc_auc_score(labels, signal))
+    assert decision.val_metrics["baseline_prior"]["roc_auc"] == pytest.approx(0.5)
 
 
-def test_a_candidate_at_chance_is_never_promoted() -> None:
+def test_when_no_candidate_is_above_chance_nothing_is_served() -> None:
     labels, _ = val_split()
-    noise = np.random.default_rng(1).normal(size=labels.size)
-    decision = decide(labels, noise, {}, None, SETTINGS)
+    rng = np.random.default_rng(1)
+    candidates = {kind: rng.normal(size=labels.size) for kind in ("transformer", "baseline_hgb")}
+    decision = decide(labels, candidates, None, SETTINGS)
     assert not decision.promote and decision.check == "not_above_chance"
-    assert "train.min_steps" in decision.fix
+    assert not decision.guard_passed
+    assert "no candidate" in decision.reason and "no champion is served" in decision.reason
+    assert "check the labels and the split" in decision.fix
 
 
-def test_a_candidate_behind_a_baseline_by_the_paired_test_is_not_promoted() -> None:
+def test_a_baseline_clearly_ahead_on_val_is_the_one_served() -> None:
     labels, signal = val_split()
-    candidate, baseline = noisier(signal, 2.0, 1), noisier(signal, 0.2, 2)
-    decision = decide(labels, candidate, {"hgb_aggregates": baseline}, None, SETTINGS)
-    assert not decision.promote and decision.check == "below_baseline"
-    assert (
-        "baseline_hgb_aggregates" in decision.reason and "baseline_hgb_aggregates" in decision.fix
+    candidates = {
+        "transformer": noisier(signal, 2.0, 1),
+        "stack": noisier(signal, 1.0, 5),
+        "baseline_hgb_aggregates": noisier(signal, 0.2, 2),
+    }
+    decision = decide(labels, candidates, None, SETTINGS)
+    assert decision.promote and decision.kind == "baseline_hgb_aggregates"
+    assert decision.reason.startswith("first champion: baseline_hgb_aggregates serves")
+    assert "transformer" in decision.reason  # the transformer's figure beside it
+
+
+def test_a_tie_goes_to_the_transformer_then_the_stack() -> None:
+    labels, signal = val_split(n=4000)
+    transformer = noisier(signal, 0.5, 1)
+    # The baseline ranks a hair better (within promotion.tie_margin): still a tie.
+    baseline = transformer + 1e-3 * labels
+    gap = roc_auc_score(labels, baseline) - roc_auc_score(labels, transformer)
+    assert 0 < gap <= SETTINGS.tie_margin
+    tie = decide(labels, {"transformer": transformer, "baseline_logreg": baseline}, None, SETTINGS)
+    assert tie.kind == "transformer"
+    # Without the transformer's tie, the stack takes it.
+    stack = {
+        "transformer": noisier(signal, 3.0, 7),
+        "stack": transformer,
+        "baseline_logreg": baseline,
+    }
+    assert decide(labels, stack, None, SETTINGS).kind == "stack"
+    # Beyond the margin, the best serves.
+    wide = decide(
+        labels,
+        {"transformer": transformer, "baseline_logreg": transformer + 0.2 * labels},
+        None,
+        SETTINGS,
     )
-    # A baseline a hair ahead, within the test's doubt, does not block it.
-    close = noisier(signal, 0.21, 3)
-    level = decide(labels, noisier(signal, 0.2, 4), {"logreg": close}, None, SETTINGS)
-    assert level.promote
+    assert wide.kind == "baseline_logreg"
 
 
-def test_with_the_guard_off_only_the_champion_is_compared() -> None:
+def test_ranking_moves_the_preferred_kinds_ahead_of_what_they_tie_with() -> None:
+    metrics = {
+        "baseline_a": {"roc_auc": 0.800},
+        "baseline_b": {"roc_auc": 0.799},
+        "stack": {"roc_auc": 0.7985},
+        "transformer": {"roc_auc": 0.790},
+    }
+    assert ranking(list(metrics), metrics, 0.002) == [
+        "stack", "baseline_a", "baseline_b", "transformer",
+    ]  # fmt: skip
+    assert ranking(list(metrics), metrics, 0.0)[0] == "baseline_a"
+    assert ranking(list(metrics), metrics, 0.02)[:2] == ["transformer", "stack"]
+
+
+def test_a_candidate_clearly_worse_on_log_loss_is_passed_over() -> None:
+    """Best ranked, but its probabilities are wrong by a mile: a rival with as good a
+    ranking (not clearly behind on ROC AUC) and sound probabilities serves instead."""
+    labels, signal = val_split(n=4000)
+    ranked_well = noisier(signal, 0.5, 1)
+    overconfident = M.sigmoid(4 * ranked_well + 2)  # the same ranking, near 1 everywhere
+    rival = calibrated(noisier(signal, 0.52, 2), labels)
+    candidates = {"transformer": overconfident, "baseline_logreg": rival}
+    decision = decide(labels, candidates, None, SETTINGS)
+    assert decision.kind == "baseline_logreg"
+    assert "transformer passed over: baseline_logreg is clearly better on val log loss" in (
+        decision.reason
+    )
+    # Judged on ROC AUC alone, the transformer serves.
+    roc_only = Promotion(metrics=["roc_auc"])
+    assert decide(labels, candidates, None, roc_only).kind == "transformer"
+    # A rival clearly behind on ROC AUC cannot pass anyone over, however calibrated.
+    weak = {"transformer": overconfident, "baseline_prior": np.full(labels.size, labels.mean())}
+    assert decide(labels, weak, None, SETTINGS).kind == "transformer"
+
+
+def test_promotion_metrics_must_rank_by_roc_auc() -> None:
+    with pytest.raises(ConfigError, match="must hold roc_auc"):
+        load_config(None, ["promotion.metrics=[pr_auc]"])
+
+
+def test_with_the_guard_off_only_the_transformer_and_the_champion_are_compared() -> None:
     labels, _ = val_split()
     noise = np.random.default_rng(1).normal(size=labels.size)
     off = Promotion(guard=False)
-    decision = decide(labels, noise, {"logreg": labels * 1.0}, None, off)
+    decision = decide(labels, {"transformer": noise, "baseline_logreg": labels * 1.0}, None, off)
     assert decision.promote and decision.check == "first_champion"
+    assert decision.kind == "transformer"
     assert "(promotion.guard off)" in decision.reason
-    assert decide(labels, noise, {}, labels * 1.0, off).check == "not_better_than_champion"
+    assert decide(labels, {"transformer": noise}, labels * 1.0, off).check == (
+        "not_better_than_champion"
+    )
 
 
 def test_too_few_val_conversions_choose_nothing() -> None:
     labels, signal = val_split(n=100, rate=0.1)
-    decision = decide(labels, signal, {}, None, SETTINGS)
+    decision = decide(labels, {"transformer": signal}, None, SETTINGS)
     assert not decision.promote and decision.check == "too_few_conversions"
     assert "promotion.min_val_conversions (20)" in decision.reason
+    assert "`journeys ingest`" in decision.fix  # the split is the ingest's
 
 
 def test_the_champion_is_compared_on_the_same_val_journeys() -> None:
     labels, signal = val_split()
     better, worse = noisier(signal, 0.1, 1), noisier(signal, 1.0, 2)
-    assert decide(labels, better, {}, worse, SETTINGS).check == "promoted"
-    kept = decide(labels, worse, {}, better, SETTINGS)
+    assert decide(labels, {"transformer": better}, worse, SETTINGS).check == "promoted"
+    kept = decide(labels, {"transformer": worse}, better, SETTINGS)
     assert not kept.promote and kept.check == "not_better_than_champion"
-    logged = decide(labels, better, {}, 0.99, SETTINGS)  # a champion of other features
+    assert kept.guard_passed and "the champion stays" in kept.reason
+    logged = decide(labels, {"transformer": better}, 0.99, SETTINGS)  # other features
     assert not logged.promote and "(logged)" in logged.reason
 
 
@@ -98,6 +190,64 @@ def test_the_paired_difference_matches_the_aucs_and_its_doubt_shrinks_with_data(
     assert same == 0.0 and bound == pytest.approx(0.0, abs=1e-12)
     small = M.paired_roc_auc_difference(labels[:400], a[:400], b[:400])
     assert small[1] - small[0] > upper - difference  # fewer journeys, more doubt
+
+
+def test_the_paired_pr_auc_and_log_loss_differences() -> None:
+    from sklearn.metrics import average_precision_score, log_loss
+
+    labels, signal = val_split(n=4000)
+    a, b = noisier(signal, 0.5, 1), noisier(signal, 1.0, 2)
+    difference, upper = M.paired_average_precision_difference(labels, a, b)
+    expected = average_precision_score(labels, a) - average_precision_score(labels, b)
+    assert difference == pytest.approx(expected)
+    assert difference > 0 and upper > difference
+    assert M.paired_average_precision_difference(labels, b, a)[1] < 0  # a ahead beyond doubt
+    # Ties are one threshold, as scikit-learn counts them.
+    tied = np.round(a, 0)
+    assert M.paired_average_precision_difference(labels, tied, b)[0] == pytest.approx(
+        average_precision_score(labels, tied) - average_precision_score(labels, b)
+    )
+    pa, pb = calibrated(a, labels), calibrated(b, labels)
+    loss, loss_upper = M.paired_log_loss_difference(labels, pa, pb)
+    assert loss == pytest.approx(log_loss(labels, pa) - log_loss(labels, pb))
+    assert loss_upper < 0  # the better ranking, calibrated, has the lower loss beyond doubt
+
+
+def test_an_epoch_chosen_on_val_is_judged_on_the_half_that_did_not_choose_it() -> None:
+    """Two hundred epochs of noise: the best of them on val is a fluke that clears chance, and
+    the cross-fitted figure (each half scored by the other half's choice) does not."""
+    rng = np.random.default_rng(3)
+    labels = rng.random(600) < 0.2
+    history = rng.normal(size=(200, labels.size))
+    aucs = [roc_auc_score(labels, epoch) for epoch in history]
+    best = history[int(np.argmax(aucs))]
+    assert M.roc_auc_interval(labels, best)[0] > 0.5  # chosen and judged on the same val
+    folds = val_folds(labels, seed=0)
+    assert {int((folds == f).sum()) for f in (0, 1)} == {300}  # halves, each class dealt evenly
+    assert (labels[folds == 0].sum() - labels[folds == 1].sum()) in (-1, 0, 1)
+    honest = cross_fitted_logits(history, labels, folds)
+    assert M.roc_auc_interval(labels, honest)[0] < 0.5
+    decision = decide(labels, {"transformer": honest}, None, SETTINGS)
+    assert decision.check == "not_above_chance"
+    # A real signal survives cross-fitting: its later epochs learn, and both halves agree.
+    learning = np.stack([labels * k * 0.3 + rng.normal(size=labels.size) for k in range(5)])
+    fitted = cross_fitted_logits(learning, labels, folds)
+    np.testing.assert_array_equal(fitted, learning[-1])
+
+
+def test_cross_fitted_calibration_never_sees_the_journeys_it_calibrates() -> None:
+    labels, signal = val_split()
+    folds = val_folds(labels, seed=1)
+    seen = []
+
+    def fit(scores: np.ndarray, y: np.ndarray):
+        seen.append(scores.size)
+        return lambda x: np.full(x.size, y.mean())  # the other half's base rate
+
+    out = cross_fitted_calibration(signal, labels, folds, fit)
+    assert seen == [int((folds != 0).sum()), int((folds != 1).sum())]
+    for fold in (0, 1):
+        assert np.allclose(out[folds == fold], labels[folds != fold].mean())
 
 
 # ----------------------------------------------------------------------------- in training
@@ -127,32 +277,36 @@ def train_quietly(config, monkeypatch: pytest.MonkeyPatch, evaluate=None):
 
 
 @pytest.mark.slow
-def test_a_broken_candidate_is_registered_but_never_champion(
+def test_when_every_candidate_fails_the_guard_nothing_is_served_and_scoring_says_why(
     tmp_path: Path, mlflow_env: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from journeys import train
+    """A log whose rule turns around after train: the transformer's val AUC falls below
+    chance as it learns, every baseline's is below chance too; the version is registered,
+    never champion, and `journeys score` names the guard's decision, not a missing alias."""
+    from journeys.score import score_command
 
-    make_journeys_dataset(tmp_path / "journeys", n=400, seed=0)
-    config = tiny_config(tmp_path)
-    real = train.evaluate
-
-    def broken(fitted, workdir):  # a model whose scores are noise on val
-        evaluation = real(fitted, workdir)
-        noise = np.random.default_rng(0).normal(size=evaluation.val_logits.size)
-        return replace(evaluation, val_logits=noise)
-
-    result = train_quietly(config, monkeypatch, broken)
+    make_reversed_journeys(tmp_path / "journeys", n=1200, seed=0)
+    config = tiny_config(
+        tmp_path, "train.max_epochs=6", "train.baselines=[prior,logreg,hgb_aggregates]"
+    )
+    result = train_quietly(config, monkeypatch)
     assert not result.promoted and result.champion_version is None
     client = MlflowClient(mlflow_env)
     tags = client.get_run(result.run_id).data.tags
     assert tags[tracking.CHAMPION_CHECK_TAG] == "not_above_chance"
-    assert "did not learn" in tags[tracking.CHAMPION_REASON_TAG]
+    assert "no candidate" in tags[tracking.CHAMPION_REASON_TAG]
+    for kind in ("transformer", "baseline_logreg", "baseline_hgb_aggregates"):
+        assert result.metrics[f"val_roc_auc_{kind}"] < 0.5  # what learned train ranks val backwards
+    # The stack's calibration, fitted on val, may not turn its ranking around.
+    assert result.metrics["val_roc_auc_stack"] <= 0.55
     version = client.get_model_version("journey-conversion", str(result.model_version))
     assert version.tags[tracking.CHAMPION_DECISION_TAG] == "kept_previous"
     with pytest.raises(Exception, match="alias"):
         client.get_model_version_by_alias("journey-conversion", "champion")
     logged = client.download_artifacts(result.run_id, "promotion.json")
     assert '"check": "not_above_chance"' in Path(logged).read_text()
+    with pytest.raises(InputError, match="served none: no candidate's val ROC AUC is above chance"):
+        score_command(config)
 
 
 @pytest.mark.slow

@@ -61,6 +61,16 @@ def post(url: str, body: Any) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
+def server_env(uri: str) -> dict[str, str]:
+    """The environment `mlflow models serve` runs in: the store, and the venv's commands."""
+    return {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": uri,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
+
+
 class Server:
     """`mlflow models serve` in its own process group (it execs uvicorn in a child)."""
 
@@ -102,37 +112,39 @@ class Server:
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """A tiny model logged and registered as the champion of a fresh SQLite store."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    from journeys.tracking import use_tracking_uri
 
     root = tmp_path_factory.mktemp("serving")
     journeys = journeys_folder(root / "journeys")
     folder = save_tiny_model(root / "model", Vocabularies.load(journeys), temperature=TEMPERATURE)
     loaded = load_model(str(folder))
+    uri, info = register_champion(root, loaded)
+    return {"root": root, "journeys": journeys, "loaded": loaded, "uri": uri, "info": info}
+
+
+def register_champion(root: Path, trained: Any) -> tuple[str, Any]:
+    """Log `trained` to a fresh SQLite store in `root` and make it the champion: the
+    store's URI and MLflow's model info."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from journeys.tracking import use_tracking_uri
+
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri)
     # Artifacts beside the store, not in ./mlruns of whatever folder pytest runs in.
     experiment = client.create_experiment("journeys", (root / "artifacts").as_uri())
     with use_tracking_uri(uri), mlflow.start_run(experiment_id=experiment):
-        info = log_model(loaded)
+        info = log_model(trained)
     with use_tracking_uri(uri):
         version = mlflow.register_model(info.model_uri, MODEL_NAME).version
     client.set_registered_model_alias(MODEL_NAME, "champion", version)
-    return {"root": root, "journeys": journeys, "loaded": loaded, "uri": uri, "info": info}
+    return uri, info
 
 
 @pytest.fixture(scope="module")
 def server(registered: dict):
     """The champion served by a real `mlflow models serve`, started (not yet ready)."""
-    env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": registered["uri"],
-        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-    }
-    running = Server(CHAMPION, env, registered["root"] / "serve.log")
+    running = Server(CHAMPION, server_env(registered["uri"]), registered["root"] / "serve.log")
     try:
         yield running
     finally:
@@ -340,3 +352,81 @@ def test_served_bad_request_is_http_400_with_one_line(server: Server) -> None:
     status, answer = post(url, {"dataframe_records": [{"event_type": ["click"]}]})
     assert status == 400
     assert "event_time" in answer["message"]
+
+
+# --- a baseline champion ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def baseline_champion(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The tiny transformer serving a fitted `hgb_aggregates` (a booster saved with skops,
+    timing aggregates, last-touch levels), registered as the champion of a fresh store."""
+
+    from journeys.baselines import BaselineSettings, fit_baseline
+
+    root = tmp_path_factory.mktemp("serving-baseline")
+    journeys = journeys_folder(root / "journeys", n=400)
+    folder = save_tiny_model(root / "model", Vocabularies.load(journeys), temperature=TEMPERATURE)
+    frame = pl.read_parquet(journeys / "part-00000.parquet")
+    trained = load_model(str(folder))
+    settings = BaselineSettings(features=("channel", "device"))
+    trained.baseline = fit_baseline(
+        "hgb_aggregates", frame.filter(pl.col("split") == "train"), settings
+    )
+    uri, _ = register_champion(root, trained)
+    return {"root": root, "journeys": journeys, "frame": frame, "trained": trained, "uri": uri}
+
+
+@pytest.mark.slow
+def test_a_baseline_champion_serves_alike_in_batch_pyfunc_and_http(
+    baseline_champion: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch scoring, the pyfunc and `mlflow models serve` give the baseline's probability
+    and the transformer's attention, the same on every path."""
+    import mlflow
+
+    from journeys.score import score_command, score_frame
+    from journeys.tracking import use_tracking_uri
+
+    root, uri = baseline_champion["root"], baseline_champion["uri"]
+    server = Server(CHAMPION, server_env(uri), root / "serve.log")  # starts while the batch scores
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        score_command(config_for(root), input_path=str(baseline_champion["journeys"]))
+        scores = pl.read_parquet(root / "scores" / "*.parquet")
+        frame = baseline_champion["frame"]
+        # A request lists every event it has: journeys ingest did not truncate.
+        whole = frame.filter(pl.col("n_events_total") == pl.col("n_events"))
+        sent = whole.sort("journey_id").head(6)
+        batch = sent.select("journey_id").join(scores, on="journey_id", how="left")
+
+        # The registered model serves the baseline: its probability, as fitted.
+        trained = baseline_champion["trained"]
+        assert trained.kind == "baseline_hgb_aggregates"
+        expected = trained.baseline.predict_proba(sent)
+        np.testing.assert_allclose(batch["conversion_probability"].to_numpy(), expected, atol=1e-9)
+        # The attention is the transformer's own, as if it served alone.
+        alone = load_model(str(root / "model"))
+        assert alone.kind == "transformer"
+        own = score_frame(alone, sent)
+        for got, want in zip(batch["attention"], own["attention"], strict=True):
+            np.testing.assert_allclose(got.to_numpy(), want.to_numpy(), atol=1e-6)
+        assert not np.allclose(own["conversion_probability"].to_numpy(), expected)
+
+        with use_tracking_uri(uri):
+            pyfunc = mlflow.pyfunc.load_model(CHAMPION)
+        answered = pyfunc.predict(pd.DataFrame(records(sent)))
+        np.testing.assert_allclose(
+            answered["conversion_probability"].to_numpy(), expected, atol=1e-9
+        )
+
+        status, answer = post(
+            f"{server.wait_ready()}/invocations", {"dataframe_records": records(sent)}
+        )
+        assert status == 200, answer
+        served = pl.DataFrame(answer["predictions"])
+        np.testing.assert_allclose(served["conversion_probability"].to_numpy(), expected, atol=1e-9)
+        for got, want in zip(served["attention"], batch["attention"], strict=True):
+            np.testing.assert_allclose(got.to_numpy(), want.to_numpy(), atol=1e-6)
+    finally:
+        server.stop()

@@ -1,5 +1,6 @@
-"""`train.stack`: the transformer stacked with gradient boosting on journey aggregates, a
-model the registry holds and the batch scorer runs, with the transformer's attention."""
+"""The stack candidate: the transformer blended with gradient boosting on journey
+aggregates, a model the registry holds and the batch scorer runs, with the transformer's
+attention."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from sklearn.metrics import roc_auc_score
 from journeys.config import load_config
 from journeys.datasets import labelled, scan_journeys
 from journeys.errors import InputError
-from journeys.stacking import BOOSTER_FILE, fit_stack
-from journeys.trained_model import TrainedModel, load_model
+from journeys.stacking import blended, fit_stack, logit
+from journeys.trained_model import HEAD_BOOSTER, HEAD_FILE, TrainedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 AD_CLICKS = ROOT / "data" / "samples" / "shapes" / "ad_clicks" / "clicks.csv"
@@ -41,6 +42,8 @@ def stacked(tmp_path_factory: pytest.TempPathFactory):
         "train.accelerator=cpu",
         "train.baselines=[hgb_aggregates]",
         "train.stack=true",
+        # Whichever candidate serves, these tests read the stack: only it may be chosen.
+        "promotion.guard=false",
     ]
     config = load_config(ROOT / "conf" / "ad_clicks.yaml", sets)
     with pytest.MonkeyPatch.context() as mp:
@@ -52,12 +55,13 @@ def stacked(tmp_path_factory: pytest.TempPathFactory):
     return config, result, tmp
 
 
-def test_the_registered_stack_serves_what_training_measured(stacked) -> None:
-    config, result, _ = stacked
+def test_the_stack_serves_what_training_measured(stacked) -> None:
+    config, result, tmp = stacked
     metrics = result.metrics
-    assert {"stacked_test_roc_auc", "stacked_val_roc_auc", "test_roc_auc"} <= set(metrics)
-    trained = load_model(result.model_uri, f"sqlite:///{stacked[2] / 'mlflow.db'}")
-    assert trained.stack is not None
+    assert {"stacked_test_roc_auc", "val_roc_auc_stack", "test_roc_auc"} <= set(metrics)
+    trained = load_model(result.model_uri, f"sqlite:///{tmp / 'mlflow.db'}")
+    trained.stack = stack_of_the_run(config, result, trained)
+    assert trained.kind == "stack"
     test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
     served = trained.predict_proba(test)
     auc = roc_auc_score(test.get_column("label").to_numpy(), served)
@@ -67,11 +71,28 @@ def test_the_registered_stack_serves_what_training_measured(stacked) -> None:
     assert weights[0] > 0 and weights[1] > 0
 
 
+def stack_of_the_run(config, result, trained):
+    """The run's stack, refitted as training fits it (the guard was off: the registered
+    model is the transformer's)."""
+    from journeys.baselines import BaselineSettings, fit_baseline
+    from journeys.datasets import training_journeys
+
+    journeys = training_journeys(config.paths.journeys, None).collect()  # training's order
+    booster = fit_baseline(
+        "hgb_aggregates",
+        journeys.filter(pl.col("split") == "train"),
+        BaselineSettings.from_config(config),
+    )
+    val = journeys.filter(pl.col("split") == "val")
+    return fit_stack(booster, val, trained.predict_logits(val), trained.temperature)
+
+
 def test_attention_stays_the_transformers_and_only_the_probability_changes(stacked) -> None:
     from journeys.score import score_frame
 
     config, result, tmp = stacked
     trained = load_model(result.model_uri, f"sqlite:///{tmp / 'mlflow.db'}")
+    trained.stack = stack_of_the_run(config, result, trained)
     test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
     with_stack = score_frame(trained, test)
     stack, trained.stack = trained.stack, None
@@ -92,20 +113,23 @@ def test_a_saved_stack_round_trips_and_a_foreign_booster_is_refused(
 
     config, result, tmp = stacked
     trained = load_model(result.model_uri, f"sqlite:///{tmp / 'mlflow.db'}")
+    trained.stack = stack_of_the_run(config, result, trained)
     trained.save(tmp_path / "model")
+    assert (tmp_path / "model" / HEAD_FILE).exists()
     again = TrainedModel.load(tmp_path / "model")
+    assert again.kind == "stack"
     test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
     np.testing.assert_allclose(again.predict_proba(test), trained.predict_proba(test))
 
-    dump(NotABooster(), tmp_path / "model" / BOOSTER_FILE)
+    dump(NotABooster(), tmp_path / "model" / HEAD_BOOSTER)
     with pytest.raises(InputError, match="damaged model files"):
         TrainedModel.load(tmp_path / "model")
 
 
 def test_the_blend_takes_what_each_model_knows() -> None:
-    """Two halves of a signal, one visible to each model: the stack, fitted on val, ranks
-    test journeys better than either (and its val predictions are cross-fitted)."""
-    from journeys.baselines import JourneyAggregates
+    """Two halves of a signal, one visible to each model: the stack (equal weights on the
+    two calibrated log-odds, Platt-scaled on val) ranks test journeys better than either."""
+    from journeys.baselines import BaselineSettings, fit_baseline
 
     rng = np.random.default_rng(0)
     n = 3000
@@ -127,14 +151,24 @@ def test_the_blend_takes_what_each_model_knows() -> None:
     )
     transformer = 1.2 * hidden + rng.normal(scale=0.3, size=n)
     train, val, test = frame[:1500], frame[1500:2250], frame[2250:]
-    fitted = fit_stack(
-        train, val, test, transformer[1500:2250], transformer[2250:],
-        JourneyAggregates([], "UTC", None), seed=0,
-    )  # fmt: skip
+    booster = fit_baseline("hgb_aggregates", train, BaselineSettings())
+    stack = fit_stack(booster, val, transformer[1500:2250], temperature=1.0)
     y_test = test.get_column("label").to_numpy()
-    stacked = roc_auc_score(y_test, fitted.test_logits)
+    stacked = roc_auc_score(y_test, stack.combine(transformer[2250:], test))
     assert stacked > roc_auc_score(y_test, transformer[2250:]) + 0.03
-    assert stacked > roc_auc_score(y_test, fitted.stack.booster_logits(test)) + 0.03
-    # Cross-fitted: not the val fit's own scores.
-    val_fit = fitted.stack.combine(transformer[1500:2250], val)
-    assert not np.allclose(fitted.val_logits, val_fit)
+    assert stacked > roc_auc_score(y_test, stack.booster_logits(test)) + 0.03
+    # Equal weights on the calibrated log-odds: the ranking is the blend's, whatever Platt
+    # scaling fitted on val.
+    expected = blended(transformer[2250:], logit(booster.predict_proba(test)))
+    assert roc_auc_score(y_test, expected) == pytest.approx(stacked)
+
+
+def test_a_blend_that_ranks_val_backwards_gets_no_calibration_that_turns_it_around() -> None:
+    from journeys.stacking import platt
+
+    rng = np.random.default_rng(0)
+    labels = (rng.random(2000) < 0.3).astype(np.int64)
+    backwards = -labels + rng.normal(size=labels.size)
+    slope, intercept = platt(backwards, labels)
+    assert slope == 0.0 and intercept == pytest.approx(np.log(0.3 / 0.7), abs=0.1)
+    assert platt(-backwards, labels)[0] > 0

@@ -181,7 +181,7 @@ def test_champion_moves_on_improvement_and_stays_on_regression(mlflow_env) -> No
         scores = noise if math.isnan(auc) else labels * 2 * auc**4 + noise * (1 - auc)
         champion = tracking.champion_version(mlflow_env, "jc")
         logged = None if champion is None else tracking.logged_val_roc_auc(mlflow_env, champion)
-        decision = decide(labels, scores, {}, logged, Promotion())
+        decision = decide(labels, {"transformer": scores}, logged, Promotion())
         with tracking.mlflow_run(mlflow_env, "journeys") as run:
             with run.active():
                 info = log_model(trained)
@@ -268,6 +268,7 @@ def test_champion_and_training_summary_read_back_from_the_store(mlflow_env, tmp_
         tracking.CHAMPION_DECISION_TAG: "promoted",
         tracking.CHAMPION_CHECK_TAG: "first_champion",
         tracking.CHAMPION_REASON_TAG: "first champion (val ROC AUC 0.7100)",
+        tracking.MODEL_KIND_TAG: "baseline_hgb_aggregates",
         tracking.BASELINES_AHEAD_TAG: "hgb_aggregates,last_touch",
     }
     for key, value in tags.items():
@@ -295,6 +296,7 @@ def test_champion_and_training_summary_read_back_from_the_store(mlflow_env, tmp_
         "champion_version": 1,
         "promoted": True,
         "champion_check": "first_champion",
+        "model_kind": "baseline_hgb_aggregates",
         "champion_reason": "first champion (val ROC AUC 0.7100)",
         "baselines_ahead": ["hgb_aggregates", "last_touch"],
         "metrics": {"test_roc_auc": 0.7},

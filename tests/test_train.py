@@ -138,8 +138,13 @@ def test_model_loads_without_pickle_and_scores_like_the_trained_model(trained, m
         assert list(loaded.rules.features) == loaded.encoder.features == config.data.features
         assert loaded.rules.max_events == loaded.max_len == config.journey.max_events
         assert loaded.encoder.vocabs.features == config.data.features
-        probs = loaded.predict_proba(test, calibrated=False)
+        # The network is the run's transformer whatever candidate serves ...
+        probs = M.sigmoid(loaded.predict_logits(test))
         np.testing.assert_allclose(probs, test.get_column("probability").to_numpy(), atol=1e-6)
+        # ... and the probability is the chosen candidate's, as training measured it.
+        assert loaded.kind == result.model_kind
+        served = M.binary_metrics(test["label"].to_numpy(), loaded.predict_proba(test))
+        assert served["test_roc_auc"] == pytest.approx(result.metrics["served_test_roc_auc"])
     assert loaded.model_version == str(result.model_version)
     assert loaded.temperature == pytest.approx(result.metrics["temperature"])
 
