@@ -167,11 +167,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", type=Path, help="a CausalMTA checkout or git directory")
     parser.add_argument("--evaluate", metavar="MODEL_URI", help="score the test journeys")
+    parser.add_argument("--tracking-uri", help="where MODEL_URI is (default: the config's)")
     args = parser.parse_args()
     if args.source:
         convert(args.source)
     if args.evaluate:
-        print(evaluate(args.evaluate))
+        print(evaluate(args.evaluate, args.tracking_uri))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,48 @@ PUBLIC_LOGS: tuple[PublicLog, ...] = (
             "research use; redistribution not established - do not commit"
         ),
     ),
+    PublicLog(
+        name="talkingdata",
+        config="conf/public_talkingdata.yaml",
+        raw="data/public/talkingdata/train_sample.csv",
+        note=(
+            "TalkingData AdTracking (Kaggle 2018) train_sample: 100,000 app-ad clicks over "
+            "four days, 227 attributed (a flag column); a journey is an ip's clicks"
+        ),
+        repo_url="https://github.com/markqle/TalkingData-AdFraud-ML",
+        commit="19e50f1408a3c4622ea53f3e507f4e0de1bbffcb",
+        path="train_sample.csv",
+        bring_in=(
+            "git clone --filter=blob:none https://github.com/markqle/TalkingData-AdFraud-ML "
+            "/tmp/talkingdata && git -C /tmp/talkingdata checkout "
+            "19e50f1408a3c4622ea53f3e507f4e0de1bbffcb && mkdir -p data/public/talkingdata && "
+            "cp /tmp/talkingdata/train_sample.csv data/public/talkingdata/"
+            "  # sha256 c39a0af0a7da004c09da70091e222a01d4ee80409af2c5d15b36aa36a49fa552"
+        ),
+        licence=(
+            "Kaggle competition data (TalkingData AdTracking Fraud Detection), research "
+            "use; redistribution not established - do not commit"
+        ),
+    ),
+    PublicLog(
+        name="criteo_mta",
+        config="conf/public_criteo_mta.yaml",
+        raw="data/public/criteo_mta/train/events.parquet",
+        note=(
+            "Criteo attribution journeys as preprocessed by CausalMTA (KDD 2022): 164,647 "
+            "train journeys of campaign touches, 16,400 converted; their 31,913 test "
+            "journeys only for the final figure (benchmarks/criteo_mta.py --evaluate)"
+        ),
+        repo_url="https://github.com/yaodi833/CausalMTA",
+        commit="3ec94ac",
+        path="data/{train,test}/{C,T,Y}_*.pkl",
+        bring_in=(
+            "git clone https://github.com/yaodi833/CausalMTA /tmp/CausalMTA && "
+            "git -C /tmp/CausalMTA checkout 3ec94ac && "
+            "python benchmarks/criteo_mta.py --source /tmp/CausalMTA"
+        ),
+        licence="CC BY-NC-SA 4.0 (Criteo's data set): research use - do not commit",
+    ),
 )
 
 

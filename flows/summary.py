@@ -34,11 +34,21 @@ def _cached(stage: dict[str, Any]) -> str:
 
 
 def metric_rows(train: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
-    """(model, test metrics) for the transformer, then each baseline."""
-    rows = [("transformer", train.get("metrics", {}))]
+    """(model, test metrics) for the transformer, the stack when there was one, then each
+    baseline; the one the registered version serves is marked."""
+    metrics = train.get("metrics", {})
+    served = train.get("model_kind", "transformer")
+    rows = [("transformer", metrics)]
+    if "stacked_test_roc_auc" in metrics:
+        stack = {
+            f"test_{key.removeprefix('stacked_test_')}": value
+            for key, value in metrics.items()
+            if key.startswith("stacked_test_")
+        }
+        rows.append(("stack", stack))
     for name, baseline in sorted(train.get("baselines", {}).items()):
         rows.append((f"baseline_{name}", baseline.get("metrics", {})))
-    return rows
+    return [(f"{model} (served)" if model == served else model, m) for model, m in rows]
 
 
 def metrics_markdown(train: dict[str, Any]) -> str:
@@ -77,12 +87,16 @@ def ingest_markdown(report: dict[str, Any], journeys: str, quarantine: str) -> s
 
 
 def baselines_ahead(train: dict[str, Any]) -> str | None:
-    """A warning when baselines beat the transformer beyond its interval (None if none)."""
+    """A note when baselines beat the transformer alone beyond its interval on test (None
+    if none): the model served was chosen among all of them on val."""
     ahead = train.get("baselines_ahead") or []
     if not ahead:
         return None
     names = ", ".join(f"baseline_{name}" for name in ahead)
-    return f"{names} beat the transformer beyond its 95% interval: prefer the baseline, or improve the transformer"
+    return (
+        f"{names} beat the transformer alone beyond its 95% interval on test (the version "
+        f"serves {train.get('model_kind', 'transformer')}, chosen on val)"
+    )
 
 
 def train_markdown(train: dict[str, Any]) -> str:
@@ -94,9 +108,10 @@ def train_markdown(train: dict[str, Any]) -> str:
             "",
             metrics_markdown(train),
             "",
-            *([f"**Warning**: {warning}.", ""] if warning else []),
+            *([f"**Note**: {warning}.", ""] if warning else []),
             f"Model version **{train.get('model_version')}** of "
-            f"`{train.get('registered_model')}` ({decision}); champion version: "
+            f"`{train.get('registered_model')}`, serving "
+            f"`{train.get('model_kind', 'transformer')}` ({decision}); champion version: "
             f"**{train.get('champion_version')}**.",
             "",
             *(
@@ -205,11 +220,12 @@ def console_summary(summary: dict[str, Any]) -> str:
         f"{ingest['rows_valid']:,} valid, {ingest['quarantined_total']:,} quarantined, "
         f"{ingest['duplicates_dropped']:,} duplicates -> {ingest['journeys']:,} journeys "
         f"({ingest['journeys_converted']:,} converted, {ingest['journeys_censored']:,} censored)",
-        f"  train{_cached(train)}: test metrics, transformer against the baselines:",
+        f"  train{_cached(train)}: test metrics of every candidate:",
         *table,
-        *([f"  warning: {warning}"] if (warning := baselines_ahead(train)) else []),
+        *([f"  note: {warning}"] if (warning := baselines_ahead(train)) else []),
         f"  champion: {train.get('registered_model')} version {train.get('champion_version')} "
-        f"(this run's model: version {train.get('model_version')}, {decision})",
+        f"(this run's model: version {train.get('model_version')}, serving "
+        f"{train.get('model_kind', 'transformer')}, {decision})",
         *([f"    on val: {reason}"] if (reason := train.get("champion_reason")) else []),
         f"  scores{_cached(score)}: {score['rows']:,} journeys in {score['out']}",
         f"  attribution report{_cached(attribution)}: {attribution['out']}",

@@ -288,6 +288,11 @@ class Journey(Section):
     # After a conversion: start a new journey (contract default), or drop the events that
     # follow it until the next long gap (one case = one journey, as in BPIC 2012).
     after_conversion: Literal["new_journey", "drop"] = "new_journey"
+    # A conversion straight after another of the same visit, no touch between (a repeat
+    # purchase, a second clickout): counted with the one before it (`with_previous`: it
+    # labels no journey, and the report counts it as `repeat_conversions`), or the first
+    # touch of the next journey (`new_journey`), which the next conversion labels.
+    repeat_conversions: Literal["with_previous", "new_journey"] = "with_previous"
 
     @property
     def max_gap_delta(self) -> timedelta:
@@ -340,6 +345,10 @@ class Ingest(Section):
     warn_top_user_share: Annotated[float, Field(gt=0, le=1)] = 0.2
     # ... a source file's quarantine rate is this many times the other files' (and 5%+).
     warn_source_quarantine_factor: Annotated[float, Field(gt=1)] = 5.0
+    # ... a feature holds a value on fewer of the val or test events than this share of
+    # train's (when it is on at least `warn_feature_min_share` of train's events).
+    warn_feature_split_ratio: Annotated[float, Field(gt=0, le=1)] = 0.5
+    warn_feature_min_share: Annotated[float, Field(ge=0, le=1)] = 0.05
     # Nightly runs (incremental ingest): an event may arrive this long after the last
     # ingest's data end and still land where a full rebuild would put it; older ones are
     # quarantined as `late` (`journeys ingest --full` takes them in). A longer bound keeps
@@ -411,6 +420,11 @@ class Model(Section):
     # Journey aggregates are what gradient boosting wins with on many real logs
     # (`hgb_aggregates`); docs/model.md has the suite it was chosen on.
     wide: bool = False
+    # How the continuous inputs (time encodings, numbers) enter an event: one linear
+    # projection of them all, or `periodic`: each through sin and cos of learned
+    # frequencies and a small map of its own (Gorishniy et al. 2022), which places a sharp
+    # or non-monotone effect of a duration in one layer (docs/model.md).
+    continuous_encoding: Literal["linear", "periodic"] = "linear"
 
     @property
     def visit_gap_s(self) -> float | None:

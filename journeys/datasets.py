@@ -184,6 +184,7 @@ def check_trainable(
             f"vocabularies at {folder} are for features {vocabs.features}, "
             f"but data.features is {list(features)}: re-run `journeys ingest`"
         )
+    check_split_setting(folder, fractions)
     sizes = split_sizes(folder, window)
     unsplit = unsplit_problem(folder)
     if window is not None:
@@ -208,6 +209,25 @@ def check_trainable(
                 f"conversions of {size['n']:,} journeys): {fix}"
             )
     return sizes
+
+
+def check_split_setting(folder: Path, fractions: tuple[float, ...] | None) -> None:
+    """`InputError` when `split.fractions` differs from the shares the journeys were split
+    with: the split is made at ingest, so a training-time setting would not act (and would
+    be logged as if it had)."""
+    path = folder / "ingest_report.json"
+    if fractions is None or not path.exists():
+        return
+    split = json.loads(path.read_text()).get("split_fractions")
+    if split is None or all(abs(a - b) < 1e-9 for a, b in zip(split, fractions, strict=True)):
+        return
+    shares = "/".join(f"{f:g}" for f in fractions)
+    made = "/".join(f"{f:g}" for f in split)
+    raise InputError(
+        f"split.fractions is {shares} but the journeys at {folder} were split {made} at "
+        f"ingest, and training does not re-split: run `journeys ingest --full --set "
+        f"split.fractions=[{', '.join(f'{f:g}' for f in fractions)}]` first, or leave it out"
+    )
 
 
 def dataset_features(config: Config) -> Config:

@@ -264,6 +264,7 @@ def model_config_from_sizes(
         visit_bucket=visit_bucket(settings),
         n_continuous=continuous_count(settings.time_encodings, n_numeric, buckets=buckets),
         wide=settings.wide,
+        continuous_encoding=settings.continuous_encoding,
     )
 
 

@@ -9,6 +9,7 @@ valid, quarantined (with a reason code), exact duplicate, or dropped by configur
 from __future__ import annotations
 
 import glob
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -195,9 +196,31 @@ def parse_timestamp(raw: pl.Expr, dtype: pl.DataType, data: Data) -> pl.Expr:
     return parsed.cast(UTC_US)
 
 
+# Polars (chrono) reads an hour only with its minute: a layout with an hour and no minute
+# ("%Y-%m-%d %H") reads each value with this minute appended, in both.
+_HOURS, _MINUTE = ("%H", "%I", "%k", "%l"), "%M"
+_MINUTE_PAD, _MINUTE_PAD_LAYOUT = "@00", "@%M"
+
+
+def check_timestamp_format(layout: str | None) -> None:
+    """`InputError` naming the fix when Polars cannot read with `layout` at all."""
+    if layout is None:
+        return
+    try:
+        pl.Series(["2026-01-01"]).to_frame("t").select(with_format(pl.col("t"), layout, "UTC"))
+    except (pl.exceptions.PolarsError, ValueError) as err:
+        raise InputError(
+            f"data.timestamp_format {layout!r} cannot be read ({first_line(err)}): write it "
+            "with strftime directives, e.g. '%Y-%m-%d %H:%M:%S', '%d/%m/%Y %H:%M' or "
+            "'%Y-%m-%d %H'"
+        ) from None
+
+
 def with_format(text: pl.Expr, layout: str, timezone: str) -> pl.Expr:
     """Text in a strftime `layout` -> datetime[us, UTC]: read in `timezone` unless the
     layout holds an offset (%z); null where it does not match."""
+    if any(hour in layout for hour in _HOURS) and _MINUTE not in layout:
+        text, layout = text + _MINUTE_PAD, layout + _MINUTE_PAD_LAYOUT
     if "%z" in layout or "%:z" in layout:
         return text.str.to_datetime(layout, strict=False, time_zone="UTC", time_unit="us")
     naive = text.str.to_datetime(layout, strict=False, time_unit="us")
@@ -436,19 +459,24 @@ class ScannedEvents:
     features: list[str]
 
 
-def scan_events(raw: str | Path | list[Path], data: Data) -> ScannedEvents:
+def scan_events(
+    raw: str | Path | list[Path], data: Data, held_before: Collection[str] = ()
+) -> ScannedEvents:
     """All rows of all sources (a path, folder or glob, or a list of files), lazily: logical
     columns as text, `ts`, source, row, `reason`.
 
     `reason` is null for a valid row, else the quarantine reason code. A default feature
-    (`data.features` not set) that no file holds is left out, not an error.
+    (`data.features` not set) that no file holds is left out, not an error; so is one of
+    `held_before` (the files of an earlier ingest held it: a column that left the export
+    is null in the new files, as a full rebuild of every file leaves it).
     """
+    check_timestamp_format(data.timestamp_format)
     sources = raw if isinstance(raw, list) else resolve_sources(raw)
     names = read_columns(data)
     read = [_read_file(path, data, names) for path in sources]
     nowhere = set.intersection(*(set(absent) for _, absent, _ in read)) if read else set()
     unused = [] if data.features_given else [f for f in data.features if f in nowhere]
-    nowhere -= set(unused)
+    nowhere -= {*unused, *held_before}
     if nowhere:
         missing = [name for name in names if name in nowhere]
         schema = pl.Schema(dict.fromkeys(read[0][2], pl.String()))

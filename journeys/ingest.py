@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -125,6 +125,8 @@ class Sessionised:
     open_from: pl.DataFrame  # user_id, OPEN_FROM: where each user's open visits start
     orphans_settled: int  # conversions with no event before them, in closed visits
     orphans_open: int  # ... in open visits (counted again by the next run)
+    repeats_settled: int  # conversions straight after a conversion, in closed visits
+    repeats_open: int
     dropped_after_settled: int  # with journey.after_conversion = drop, in closed visits
     dropped_after_open: int
 
@@ -151,10 +153,20 @@ def build_journeys(
     # previous one of the same user.
     new_user = (pl.col("user_id") != pl.col("user_id").shift(1)).fill_null(True)
     long_gap = (pl.col(TS).diff() > max_gap).fill_null(True)
+    conversion = pl.col("event_type").is_in(config.data.conversions)
     tagged = events.with_columns(
-        _conversion=pl.col("event_type").is_in(config.data.conversions),
+        _conversion=conversion,
         _visit=(new_user | long_gap).cum_sum(),
-    ).with_columns(pl.col(TS).max().over("_visit").alias(VISIT_END))
+    ).with_columns(
+        pl.col(TS).max().over("_visit").alias(VISIT_END),
+        # A conversion straight after another of the same visit: a repeat purchase, a
+        # second clickout (`journey.repeat_conversions` says what it is).
+        _repeat=conversion
+        & conversion.shift(1).fill_null(False)
+        & (pl.col("_visit") == pl.col("_visit").shift(1)),
+    )
+    if config.journey.repeat_conversions == "new_journey":  # the next journey's first touch
+        tagged = tagged.with_columns(_conversion=pl.col("_conversion") & ~pl.col("_repeat"))
     in_open_visit = pl.col(VISIT_END) >= horizon if horizon is not None else pl.lit(False)
     open_from = (
         tagged.filter(in_open_visit).group_by("user_id").agg(pl.col(TS).min().alias(OPEN_FROM))
@@ -178,6 +190,8 @@ def build_journeys(
         ).cum_sum()
     )
 
+    repeats = tagged.filter(pl.col("_repeat"))
+    repeats_open = repeats.filter(in_open_visit).height
     in_sequence = ~pl.col("_conversion")
     sequence_columns = ["event_type", *features]
     grouped = tagged.group_by("_journey", maintain_order=True).agg(
@@ -205,6 +219,7 @@ def build_journeys(
     return Sessionised(
         journeys.select(columns), open_from,
         empty.height - orphans_open, orphans_open,
+        repeats.height - repeats_open, repeats_open,
         dropped_after - dropped_after_open, dropped_after_open,
     )  # fmt: skip
 
@@ -229,7 +244,8 @@ class Staged:
     sources: list[str]
     quarantined: dict[str, int] = field(default_factory=dict)  # reason -> rows
     # source file -> {"rows": read, "quarantined": of them}
-    by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+    # file -> rows, quarantined and the quarantined rows by reason
+    by_source: dict[str, dict[str, Any]] = field(default_factory=dict)
     features: list[str] = field(default_factory=list)  # data.features the log has
     features_left_out: list[str] = field(default_factory=list)  # default ones it lacks
     data_end: datetime | None = None  # the latest valid row's time
@@ -243,11 +259,16 @@ OUTPUT_COMPRESSION, OUTPUT_COMPRESSION_LEVEL = "zstd", 1
 
 
 def stage(
-    config: Config, folder: Path, sources: list[Path], late_before: datetime | None = None
+    config: Config,
+    folder: Path,
+    sources: list[Path],
+    late_before: datetime | None = None,
+    held_before: Collection[str] = (),
 ) -> Staged:
     """Pass 1: read every row of `sources` once (streaming) into user-hash partitions or
-    quarantine; a valid row older than `late_before` is quarantined as `late`."""
-    scanned = scan_events(sources, config.data)
+    quarantine; a valid row older than `late_before` is quarantined as `late`; a feature
+    of `held_before` (an earlier ingest's) that the new files lack is null in them."""
+    scanned = scan_events(sources, config.data, held_before)
     rows = scanned.rows
     if late_before is not None:
         late = pl.col(REASON).is_null() & (pl.col(TS) < late_before)
@@ -283,12 +304,16 @@ def stage(
     quarantined = dict.fromkeys(REASONS, 0)
     bad = counted.filter(pl.col(REASON).is_not_null())
     quarantined |= dict(bad.group_by(REASON).agg(pl.col("n").sum()).iter_rows())  # type: ignore[arg-type]
-    by_source = {str(source): {"rows": 0, "quarantined": 0} for source in sources}
+    by_source: dict[str, dict[str, Any]] = {
+        str(source): {"rows": 0, "quarantined": 0, "reasons": {}} for source in sources
+    }
     per_source = counted.group_by(SOURCE).agg(
         rows=pl.col("n").sum(), quarantined=pl.col("n").filter(pl.col(REASON).is_not_null()).sum()
     )
     for row in per_source.iter_rows(named=True):
-        by_source[row[SOURCE]] = {"rows": row["rows"], "quarantined": row["quarantined"]}
+        by_source[row[SOURCE]] |= {"rows": row["rows"], "quarantined": row["quarantined"]}
+    for source, reason, n, _ in bad.sort(SOURCE, REASON).iter_rows():
+        by_source[source]["reasons"][reason] = n
     left_out = [name for name in config.data.features if name not in scanned.features]
     return Staged(
         folder, dict(sorted(buckets.items())), quarantine, rows_read, scanned.sources,
@@ -305,6 +330,7 @@ class Counts:
     dropped_by_config: int = 0  # drop_events, exclude_users and after a conversion
     dropped_after_conversion: int = 0
     conversions_without_journey: int = 0
+    repeat_conversions: int = 0  # conversions straight after a conversion of the same visit
     conversions_by_source: dict[str, int] = field(default_factory=dict)
 
     def __add__(self, other: Counts) -> Counts:
@@ -386,6 +412,7 @@ def build_partition(
         dropped_by_config=built.dropped_after_settled + built.dropped_after_open,
         dropped_after_conversion=built.dropped_after_settled + built.dropped_after_open,
         conversions_without_journey=built.orphans_settled + built.orphans_open,
+        repeat_conversions=built.repeats_settled + built.repeats_open,
     )
     # A row stays for the next run from its user's first open visit on (a twin of it can
     # only come within that bound); the others are settled, and so are their counts.
@@ -412,6 +439,7 @@ def build_partition(
         dropped_by_config=built.dropped_after_settled,
         dropped_after_conversion=built.dropped_after_settled,
         conversions_without_journey=built.orphans_settled,
+        repeat_conversions=built.repeats_settled,
     )
     settled = settled + after_conversion
     open_rows.write_ipc(out["open_rows"], compression="lz4")
@@ -623,16 +651,34 @@ OPEN_ROWS_FILE = "open-rows-{:05d}.arrow"  # in STATE_DIR: one per user bucket
 USERS_FILE = "users-{:05d}.arrow"
 TRAIN_TOKENS_FILE = "train-tokens.arrow"
 DAY = "_day"
+PRESENT = "_present:"  # the part summaries' working column names
 
 
-def part_summaries(files: list[Path]) -> dict[str, dict[str, Any]]:
-    """Per part file: journeys, labels, split counts and end-time range (one query)."""
+def part_summaries(files: list[Path], features: list[str]) -> dict[str, dict[str, Any]]:
+    """Per part file: journeys, labels, split counts, end-time range and, per split, the
+    events kept and those holding each feature (one query)."""
     if not files:
         return {}
+
+    def in_split(value: pl.Expr, split: str) -> pl.Expr:
+        return value.filter(pl.col("split") == split).sum()
+
+    present = {
+        f"{PRESENT}{name}:{split}": in_split(
+            pl.col(name).list.eval(pl.element().is_not_null()).list.sum().cast(pl.Int64), split
+        )
+        for name in features
+        for split in SPLITS
+    }
+    kept = {
+        f"{PRESENT}:{split}": in_split(pl.col("n_events").cast(pl.Int64), split) for split in SPLITS
+    }
     frame = (
         pl.scan_parquet(files, include_file_paths="_file")
         .group_by("_file")
         .agg(
+            **present,
+            **kept,
             journeys=pl.len(),
             converted=pl.col("label").cast(pl.Int64).sum(),
             censored=pl.col("censored").sum(),
@@ -649,6 +695,11 @@ def part_summaries(files: list[Path]) -> dict[str, dict[str, Any]]:
     for row in frame.sort("_file").iter_rows(named=True):
         name = Path(row.pop("_file")).name
         row["by_split"] = {split: row.pop(split) for split in (*SPLITS, NO_SPLIT)}
+        row["kept_by_split"] = {split: row.pop(f"{PRESENT}:{split}") for split in SPLITS}
+        row["present_by_split"] = {
+            name: {split: row.pop(f"{PRESENT}{name}:{split}") for split in SPLITS}
+            for name in features
+        }
         row["min_end"], row["max_end"] = str(row["min_end"]), str(row["max_end"])
         row["kind"] = "open" if name.startswith(OPEN_PART_PREFIX) else "finished"
         row["day"] = name.split("-")[1]  # the end day of a finished part's journeys
@@ -742,8 +793,8 @@ def finish(
             open_path, compression=OUTPUT_COMPRESSION, compression_level=OUTPUT_COMPRESSION_LEVEL
         )
         summaries = {name: old_finished[name] for name in kept}
-        summaries |= part_summaries([*written, open_path])
-        summaries.setdefault(open_path.name, empty_summary())
+        summaries |= part_summaries([*written, open_path], config.data.features)
+        summaries.setdefault(open_path.name, empty_summary(config.data.features))
         summaries = dict(sorted(summaries.items()))
         # The train split's token counts, kept up to date: less what the replaced files
         # held, plus what the new ones hold (a cut move changes only the rewritten days).
@@ -794,6 +845,7 @@ def finish(
         )
         report = make_report(manifest, total, parts, observed_until)
         report["max_gap"] = config.journey.max_gap
+        report["split_fractions"] = list(config.split.fractions)  # train checks it acted
         report["ingest"] = run_summary(
             mode, staged, total - (previous_total(previous)), previous, opened, new_finished
         )
@@ -836,11 +888,13 @@ def overlaps(
     )
 
 
-def empty_summary() -> dict[str, Any]:
+def empty_summary(features: list[str]) -> dict[str, Any]:
     return {
         "journeys": 0, "converted": 0, "censored": 0, "converted_near_end": 0, "events": 0,
         "kept": 0, "min_end": None, "max_end": None, "kind": "open",
         "by_split": dict.fromkeys((*SPLITS, NO_SPLIT), 0),
+        "kept_by_split": dict.fromkeys(SPLITS, 0),
+        "present_by_split": {name: dict.fromkeys(SPLITS, 0) for name in features},
     }  # fmt: skip
 
 
@@ -964,6 +1018,27 @@ def parts_columns(config: Config) -> list[str]:
     ]  # fmt: skip
 
 
+def feature_presence(summaries: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per feature and split: the share of the split's kept events that hold a value
+    (None for a split without events). Summaries of an older ingest, without the counts,
+    leave it out."""
+    if not summaries or any("present_by_split" not in part for part in summaries):
+        return {}
+    kept = {split: sum(part["kept_by_split"][split] for part in summaries) for split in SPLITS}
+    names = summaries[0]["present_by_split"]
+    return {
+        name: {
+            split: (
+                sum(part["present_by_split"][name][split] for part in summaries) / kept[split]
+                if kept[split]
+                else None
+            )
+            for split in SPLITS
+        }
+        for name in names
+    }
+
+
 def make_report(
     manifest: Manifest,
     total: Counts,
@@ -993,6 +1068,7 @@ def make_report(
         # converted, but as recent as the censored ones: split none (unsplit_expr's docstring)
         "journeys_converted_near_end": sum(p["converted_near_end"] for p in summaries),
         "conversions_without_journey": total.conversions_without_journey,
+        "repeat_conversions": total.repeat_conversions,
         "events_in_journeys": sum(p["events"] for p in summaries),
         "events_kept": sum(p["kept"] for p in summaries),
         "users": sum(p.users for p in parts),
@@ -1000,11 +1076,13 @@ def make_report(
         "data_end": manifest.data_end,
         "observed_until": observed_until,  # conversions seen until: where censoring counts from
         "partitions": len(parts),
+        "feature_presence": feature_presence(summaries),
         "sources": list(manifest.files),
         "by_source": {
             source: {
                 "rows": facts["rows"],
                 "quarantined": facts["quarantined"],
+                "quarantined_by_reason": facts.get("reasons", {}),
                 "conversions": conversions.get(source, 0),
             }
             for source, facts in manifest.files.items()
@@ -1119,7 +1197,9 @@ def run_ingest(
         scratch_dir(journeys_folder.parent, "ingest") as scratch,
         fingerprints_meanwhile([Path(source) for source in sources]) as fingerprints,
     ):
-        staged = stage(config, scratch / "staged", sources, late_before)
+        # Per-event columns earlier files held: absent from the new files, they are null.
+        held = config.data.event_columns if previous is not None else []
+        staged = stage(config, scratch / "staged", sources, late_before, held)
         if staged.features != config.data.features:  # default features the log lacks
             if previous is not None:
                 raise InputError(
@@ -1150,7 +1230,7 @@ def run_ingest(
         hashed = fingerprints()
         files = {
             file_key(source): hashed[source]
-            | {k: staged.by_source[source][k] for k in ("rows", "quarantined")}
+            | {k: staged.by_source[source][k] for k in ("rows", "quarantined", "reasons")}
             for source in staged.sources
         }
         mode = {
@@ -1206,7 +1286,10 @@ def print_report(report: dict[str, Any]) -> None:
         table.add_row(f"  {reason}", f"{count:,}")
     for key in ("duplicates_dropped", "dropped_by_config", "users", "journeys"):
         table.add_row(key, f"{report[key]:,}")
-    for key in ("journeys_converted", "journeys_censored", "conversions_without_journey"):
+    for key in (
+        "journeys_converted", "journeys_censored", "conversions_without_journey",
+        "repeat_conversions",
+    ):  # fmt: skip
         table.add_row(f"  {key.removeprefix('journeys_')}", f"{report[key]:,}")
     for split, count in report["journeys_by_split"].items():
         table.add_row(f"  split {split}", f"{count:,}")

@@ -17,7 +17,7 @@ from journeys.errors import InputError
 from journeys.events import REASON, TS, format_that_reads
 
 if TYPE_CHECKING:
-    from journeys.config import Config
+    from journeys.config import Config, Ingest
 
 TOP_EVENT_TYPES = 5  # listed when no conversion event is found
 
@@ -166,13 +166,26 @@ def report_warnings(
     short export apart: `unsplit_warning`)."""
     settings, warnings = config.ingest, []
     conversions = sum(source["conversions"] for source in report["by_source"].values())
-    orphans = report["conversions_without_journey"]
-    if conversions and orphans / conversions > settings.warn_orphan_conversion_share:
+    repeats = report.get("repeat_conversions", 0)
+    if config.journey.repeat_conversions == "new_journey":
+        repeats = 0  # touches of the next journey: none of them is an orphan
+    orphans = report["conversions_without_journey"] - repeats
+    share = settings.warn_orphan_conversion_share
+    if conversions and repeats / conversions > share:
+        warnings.append(
+            f"{repeats:,} of {conversions:,} conversions ({repeats / conversions:.0%}) come "
+            "straight after another conversion of the user, no touch between (repeat "
+            "purchases, second clickouts): they count with the one before and label no "
+            "journey; journey.repeat_conversions: new_journey makes each the first touch of "
+            "the next journey"
+        )
+    if conversions and orphans / conversions > share:
         warnings.append(
             f"{orphans:,} of {conversions:,} conversions ({orphans / conversions:.0%}) label "
-            "no journey (no event of the user before them in their journey): check that "
-            "the touches and the conversions share data.columns.user_id, or shorten "
-            "journey.max_gap if they come long after the touches"
+            "no journey (no event of the user before them in their journey, and not a "
+            "repeat of a conversion): check that the touches and the conversions share "
+            "data.columns.user_id, or shorten journey.max_gap if they come long after the "
+            "touches"
         )
     if events and top_users and report["users"] >= MIN_USERS_FOR_SKEW:
         user, count = max(top_users, key=lambda top: top[1])
@@ -185,6 +198,29 @@ def report_warnings(
     warnings += source_quarantine_warnings(
         report["by_source"], settings.warn_source_quarantine_factor
     )
+    warnings += feature_split_warnings(report.get("feature_presence", {}), settings)
+    return warnings
+
+
+def feature_split_warnings(
+    presence: dict[str, dict[str, float | None]], settings: Ingest
+) -> list[str]:
+    """A warning per feature that val or test holds far less often than train (a column
+    that left the export, or joined it): the model learns from values its evaluation and
+    the journeys it scores lack."""
+    warnings = []
+    for name, shares in presence.items():
+        train = shares.get("train")
+        if not train or train < settings.warn_feature_min_share:
+            continue
+        for split in ("val", "test"):
+            share = shares.get(split)
+            if share is not None and share < train * settings.warn_feature_split_ratio:
+                warnings.append(
+                    f"feature {name} is on {share:.0%} of the {split} events against {train:.0%} "
+                    f"of train's: did the column leave the export? the model learns from "
+                    f"values the {split} split lacks (drop it from data.features, or fill it)"
+                )
     return warnings
 
 
@@ -194,8 +230,9 @@ MIN_USERS_FOR_SKEW = 20
 MIN_WARNED_QUARANTINE_RATE = 0.05
 
 
-def source_quarantine_warnings(by_source: dict[str, dict[str, int]], factor: float) -> list[str]:
-    """A warning per source file whose quarantine rate is `factor` times the others'."""
+def source_quarantine_warnings(by_source: dict[str, dict[str, Any]], factor: float) -> list[str]:
+    """A warning per source file whose quarantine rate is `factor` times the others',
+    naming its commonest reason, that reason's count and fix."""
     warnings = []
     for source, counts in by_source.items():
         rows, quarantined = counts["rows"], counts["quarantined"]
@@ -205,10 +242,14 @@ def source_quarantine_warnings(by_source: dict[str, dict[str, int]], factor: flo
         rate = quarantined / rows
         others = sum(c["quarantined"] for s, c in by_source.items() if s != source) / other_rows
         if rate >= MIN_WARNED_QUARANTINE_RATE and rate > factor * others:
+            reasons = counts.get("quarantined_by_reason") or {}
+            why = "see the quarantine's reasons for that file"
+            if reasons:
+                reason, count = max(reasons.items(), key=lambda item: (item[1], item[0]))
+                why = f"most as {reason} ({count:,} rows): {FIXES.get(reason, why)}"
             warnings.append(
                 f"{source}: {quarantined:,} of {rows:,} rows ({rate:.0%}) quarantined, against "
-                f"{others:.1%} in the other files: a changed header or format? see the "
-                "quarantine's reasons for that file (data.columns takes a list of names)"
+                f"{others:.1%} in the other files; {why}"
             )
     return warnings
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Positional = Literal["sinusoidal", "learned", "none"]
+ContinuousEncoding = Literal["linear", "periodic"]
 PositionOrigin = Literal["start", "end"]
 Norm = Literal["pre", "post"]
 Pooling = Literal["cls", "mean", "last"]
@@ -80,6 +81,11 @@ class ModelConfig:
     n_continuous: int = 6
     # A wide part beside the sequence (`WidePart`): journey aggregates -> a logit of its own.
     wide: bool = False
+    # How the continuous inputs enter: one linear projection of them all, or each through
+    # periodic features of learned frequencies (`PeriodicInputs`).
+    continuous_encoding: ContinuousEncoding = "linear"
+    periodic_frequencies: int = 16
+    periodic_sigma: float = 4.0  # the frequencies' initial spread (cycles per unit of input)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -89,6 +95,7 @@ class ModelConfig:
             ("position_origin", get_args(PositionOrigin)),
             ("norm", get_args(Norm)),
             ("pooling", get_args(Pooling)),
+            ("continuous_encoding", get_args(ContinuousEncoding)),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, not {getattr(self, name)!r}")
@@ -216,6 +223,31 @@ class Block(nn.Module):
         return self.ln_2(x + self.ffn(x)), weights
 
 
+class PeriodicInputs(nn.Module):
+    """Continuous inputs [B, L, C] -> [B, L, D]: each input through sin and cos of learned
+    frequencies, a linear map of its own and a ReLU, summed over inputs (the PLR embedding
+    of Gorishniy et al. 2022, "On Embeddings for Numerical Features in Tabular Deep
+    Learning").
+
+    Why: a linear projection gives each input one direction, so a sharp or non-monotone
+    effect (conversions at a journey age of a week but not of two days) takes the blocks
+    many steps to carve out; periodic features let one layer place it.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inputs, k, d_model = config.n_continuous, config.periodic_frequencies, config.d_model
+        self.frequencies = nn.Parameter(torch.empty(inputs, k))
+        self.weight = nn.Parameter(torch.empty(inputs, 2 * k, d_model))
+        self.bias = nn.Parameter(torch.zeros(inputs, d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        angles = 2 * math.pi * x[..., None] * self.frequencies  # [B, L, C, K]
+        periodic = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+        per_input = torch.einsum("blck,ckd->blcd", periodic, self.weight) + self.bias
+        return F.relu(per_input).sum(dim=2)
+
+
 class WidePart(nn.Module):
     """Journey-level aggregates -> a logit added to the sequence's (Wide & Deep).
 
@@ -269,8 +301,10 @@ class JourneyTransformer(nn.Module):
         self.visit_embedding: nn.Embedding | None = None
         if config.visit_bucket is not None:
             self.visit_embedding = nn.Embedding(config.n_time_buckets, d_model, padding_idx=0)
-        self.continuous_projection: nn.Linear | None = None
-        if config.n_continuous:
+        self.continuous_projection: nn.Module | None = None
+        if config.n_continuous and config.continuous_encoding == "periodic":
+            self.continuous_projection = PeriodicInputs(config)
+        elif config.n_continuous:
             self.continuous_projection = nn.Linear(config.n_continuous, d_model)
         n_positions = config.max_len + int(config.uses_cls)
         self.position_embedding: nn.Embedding | None = None
@@ -297,6 +331,12 @@ class JourneyTransformer(nn.Module):
                 continue  # LayerNorm: weight 1, bias 0 (PyTorch's default)
             if name.endswith("bias"):
                 nn.init.zeros_(param)
+            elif name == "continuous_projection.frequencies":
+                nn.init.normal_(param, std=self.config.periodic_sigma)
+            elif name == "continuous_projection.weight" and param.dim() == 3:
+                # Each input's 2K periodic features to about unit scale, as an embedding;
+                # the ReLU halves it, the sum over inputs adds it back.
+                nn.init.normal_(param, std=1.0 / math.sqrt(param.size(1)))
             elif name == "continuous_projection.weight":
                 # Inputs of about unit scale come out of about unit scale, like an
                 # embedding: an equal voice in the sum from the first step.
@@ -419,6 +459,7 @@ class JourneyTransformer(nn.Module):
                 raise ValueError("this model reads continuous inputs per event: pass `continuous`")
             # Zero on padding, like the embeddings' padding rows (the bias would not be).
             projected = self.continuous_projection(continuous.transpose(1, 2).to(x.dtype))
+
             x = x + projected * mask[..., None]
         return x
 

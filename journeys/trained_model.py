@@ -98,7 +98,7 @@ FORMAT_1_ARCHITECTURE = {
 }
 
 # Architecture keys added after format 2 began, with what models saved without them were.
-ADDED_SINCE_FORMAT_2 = {"wide": False}
+ADDED_SINCE_FORMAT_2 = {"wide": False, "continuous_encoding": "linear"}
 
 _MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/]+))/?")
 
@@ -110,7 +110,7 @@ RULES = {
         "timestamp_unit", "timestamp_format", "event_map", "conversion_events",
         "conversion_flag", "drop_events", "exclude_users",
     ),
-    "journey": ("max_gap", "max_events", "after_conversion"),
+    "journey": ("max_gap", "max_events", "after_conversion", "repeat_conversions"),
 }  # fmt: skip
 
 
@@ -137,6 +137,7 @@ class JourneyRules:
     timestamp_format: str | None = None
     conversion_flag: dict[str, Any] | None = None
     exclude_users: tuple[str, ...] = ()
+    repeat_conversions: str = "with_previous"
 
     @classmethod
     def from_config(cls, config: Config) -> JourneyRules:

@@ -59,6 +59,7 @@ def test_a_conversion_flag_column_labels_the_journey_of_its_touch(tmp_path: Path
     assert report["by_source"][source] == {
         "rows": clicks.height,
         "quarantined": 0,
+        "quarantined_by_reason": {},
         "conversions": flagged.height,
     }
     # The converting click is the journey's last event, and the journey ends at the
@@ -214,6 +215,25 @@ def test_timestamp_format_reads_text_times_in_the_log_zone(tmp_path: Path) -> No
         "2017-11-07 08:30",  # 9:30 in Paris is 8:30 UTC
         "2017-11-08 17:05",
     ]
+
+
+def test_an_hour_only_timestamp_format_reads(tmp_path: Path) -> None:
+    """`%Y-%m-%d %H` (hourly exports): Polars reads an hour only with its minute, so the
+    product supplies one; every row reads, in the log's zone."""
+    raw = tmp_path / "hourly.csv"
+    raw.write_text(
+        "user_id,timestamp,event_type\n"
+        "u1,2026-03-02 09,view\nu1,2026-03-02 10,click\nu1,2026-03-02 23,purchase\n"
+    )
+    config = config_for(
+        raw, tmp_path, "data.features=[]", "data.timestamp_format=%Y-%m-%d %H",
+        "data.timezone=Europe/Paris", "ingest.require_conversions=false",
+    )  # fmt: skip
+    result = run_ingest(config)
+    assert result.report["quarantined_total"] == 0
+    (journey,) = result.journeys.iter_rows(named=True)
+    assert [t.strftime("%d %H:%M") for t in journey["event_time"]] == ["02 08:00", "02 09:00"]
+    assert journey["end_time"].strftime("%d %H:%M") == "02 22:00"  # the purchase, 23h Paris
 
 
 def test_without_timestamp_format_the_error_shows_a_value_and_the_setting(
@@ -454,3 +474,97 @@ def test_unset_features_stay_unset_when_the_configuration_travels_as_a_dict() ->
     assert not travelled.data.features_given
     named = load_config(None, ["data.features=[channel]"]).model_dump(mode="json")
     assert Config.model_validate(named).data.features == ["channel"]
+
+
+# --- repeat conversions ---------------------------------------------------------------------
+
+
+REPEATS = (
+    "user_id,timestamp,event_type\n"
+    # u1: a search, a clickout, a second and a third clickout, then a search and a clickout
+    "u1,2026-03-02T09:00:00Z,search\nu1,2026-03-02T09:01:00Z,clickout\n"
+    "u1,2026-03-02T09:02:00Z,clickout\nu1,2026-03-02T09:03:00Z,clickout\n"
+    "u1,2026-03-02T09:10:00Z,search\nu1,2026-03-02T09:11:00Z,clickout\n"
+    # u2: a clickout with nothing before it at all (an orphan, not a repeat)
+    "u2,2026-03-02T10:00:00Z,clickout\n"
+)
+
+
+@pytest.mark.parametrize("mode", ["with_previous", "new_journey"])
+def test_repeat_conversions_are_counted_as_such_and_a_setting_says_what_they_are(
+    tmp_path: Path, mode: str
+) -> None:
+    raw = tmp_path / "clickouts.csv"
+    raw.write_text(REPEATS)
+    config = config_for(
+        raw, tmp_path, "data.features=[]", "data.conversion_events=[clickout]",
+        f"journey.repeat_conversions={mode}", "journey.max_gap=1h",
+        "data.observed_until=2026-03-03T00:00:00Z",
+    )  # fmt: skip
+    result = run_ingest(config)
+    report = result.report
+    assert_accounting(report)
+    assert report["repeat_conversions"] == 2  # the second and third clickouts of u1
+    journeys = result.journeys.filter(pl.col("user_id") == "u1").sort("start_time")
+    warnings = " ".join(report.get("warnings", []))
+    if mode == "with_previous":
+        assert journeys["event_type"].to_list() == [["search"], ["search"]]
+        assert report["conversions_without_journey"] == 3  # two repeats and u2's orphan
+        assert "2 of 5 conversions (40%) come straight after another conversion" in warnings
+        assert "journey.repeat_conversions: new_journey" in warnings
+        # u2's orphan alone is what may point at the user id or max_gap.
+        assert "1 of 5 conversions (20%) label no journey" in warnings
+    else:
+        # The repeats start the next journey: the last clickout labels it.
+        assert journeys["event_type"].to_list() == [["search"], ["clickout", "clickout", "search"]]
+        assert journeys["label"].to_list() == [1, 1]
+        assert report["conversions_without_journey"] == 1
+        assert "come straight after another conversion" not in warnings
+
+
+def test_a_file_quarantined_far_more_than_the_others_is_named_with_its_commonest_reason(
+    tmp_path: Path,
+) -> None:
+    """Not "a changed header?" when the file lost its user ids: the warning names the
+    reason most of its rows were quarantined for, their count and that reason's fix."""
+    raw = tmp_path / "days"
+    raw.mkdir()
+    good = "".join(f"u{i},2026-03-02T09:{i % 60:02d}:00Z,view\n" for i in range(200))
+    (raw / "day-1.csv").write_text("user_id,timestamp,event_type\n" + good)
+    anonymous = "".join(f",2026-03-03T09:{i % 60:02d}:00Z,view\n" for i in range(60))
+    bad_times = "".join(f"u{i},not a time,view\n" for i in range(5))
+    (raw / "day-2.csv").write_text(
+        "user_id,timestamp,event_type\n" + anonymous + bad_times + good.replace("03-02", "03-03")
+    )
+    config = config_for(raw, tmp_path, "data.features=[]", "ingest.require_conversions=false")
+    report = run_ingest(config).report
+    source = next(s for s in report["by_source"] if s.endswith("day-2.csv"))
+    assert report["by_source"][source]["quarantined_by_reason"] == {
+        "bad_timestamp": 5,
+        "missing_user_id": 60,
+    }
+    (warning,) = [w for w in report["warnings"] if "day-2.csv" in w]
+    assert "65 of 265 rows (25%) quarantined, against 0.0% in the other files" in warning
+    assert "most as missing_user_id (60 rows): check data.columns.user_id" in warning
+
+
+def test_a_feature_missing_from_a_whole_split_is_warned_about(tmp_path: Path) -> None:
+    """`referrer` on most train events and on none of the later ones (the column left the
+    export): the report has each split's share and a warning names the feature."""
+    rows = ["user_id,timestamp,event_type,referrer"]
+    for day in range(1, 29):
+        for user in range(12):
+            referrer = "google" if day < 18 else ""
+            stamp = f"2026-02-{day:02d}T{9 + user % 8:02d}:00:00Z"
+            rows.append(f"u{day}-{user},{stamp},view,{referrer}")
+            if user % 4 == 0:
+                rows.append(f"u{day}-{user},{stamp[:-3]}30Z,purchase,{referrer}")
+    raw = tmp_path / "export.csv"
+    raw.write_text("\n".join(rows) + "\n")
+    config = config_for(raw, tmp_path, "data.features=[referrer]", "journey.max_gap=1h")
+    report = run_ingest(config).report
+    presence = report["feature_presence"]["referrer"]
+    assert presence["train"] > 0.8 and presence["test"] == 0.0
+    warnings = [w for w in report["warnings"] if w.startswith("feature referrer")]
+    assert any("on 0% of the test events against" in w for w in warnings)
+    assert all("did the column leave the export?" in w for w in warnings)

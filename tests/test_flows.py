@@ -190,6 +190,43 @@ def test_pipeline_produces_journeys_runs_champion_scores_and_report(pipeline_run
     assert first["attribution"]["files"]
 
 
+@pytest.mark.slow
+def test_a_log_where_gradient_boosting_wins_ends_with_it_as_champion_and_scores(
+    tmp_path: Path,
+) -> None:
+    """The guard on, a transformer that learns nothing (its learning rate is all but 0)
+    and `hgb_aggregates` that does: the pipeline serves the booster, never stopping for
+    want of a champion, and the scores carry its probability and the transformer's
+    attention."""
+    from mlflow import MlflowClient
+
+    from flows.pipeline import pipeline_flow
+    from journeys.tracking import MODEL_KIND_TAG
+
+    config = tiny_config(
+        tmp_path,
+        "promotion.guard=true",
+        "simulate.users=2500",
+        "train.lr=1e-9",
+        "train.stack=false",
+        "train.baselines=[hgb_aggregates,prior]",
+    )
+    with isolated(tmp_path):
+        summary = pipeline_flow(config=config)
+    train = summary["train"]
+    assert train["model_kind"] == "baseline_hgb_aggregates"
+    assert train["promoted"] and train["champion_check"] == "first_champion"
+    assert "baseline_hgb_aggregates serves" in train["champion_reason"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    champion = client.get_model_version_by_alias("journey-conversion", "champion")
+    assert champion.tags[MODEL_KIND_TAG] == "baseline_hgb_aggregates"
+    scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
+    assert scores.height == summary["ingest"]["journeys"] == summary["score"]["rows"]
+    sums = scores.select(pl.col("attention").list.sum()).to_series()
+    assert ((sums - 1).abs() < 1e-4).all()
+    assert scores["conversion_probability"].n_unique() > 10  # the booster's, not a constant
+
+
 def test_pipeline_writes_markdown_artifacts(pipeline_runs) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey

@@ -465,3 +465,35 @@ def test_the_manifests_hashing_stops_when_the_ingest_does(tmp_path: Path) -> Non
         assert fingerprints()[str(raw)]["sha256"] == content_hash(raw)
     with pytest.raises(RuntimeError, match="pass 1 failed"), fingerprints_meanwhile([raw]):
         raise RuntimeError("pass 1 failed")  # the block's error, not the hashing's
+
+
+def test_a_feature_column_that_leaves_the_export_is_null_there_night_after_night(
+    tmp_path: Path,
+) -> None:
+    """The last days' files lack the `channel` column (an export that dropped it): the
+    nightly run takes them, with the channel null there, and equals a full rebuild of the
+    same files, which reads them the same way."""
+    log = event_log(seed=3)
+    days = sorted(log.get_column("arrival").unique().to_list())
+    files = write_days(log, tmp_path / "all")
+    for path in files[-3:]:  # the column leaves the export
+        pl.read_csv(path).drop("channel").write_csv(path)
+    landing = tmp_path / "landing"
+    config = config_for(landing, tmp_path / "nightly", "ingest.max_quarantined_share=1")
+    for cut in (len(days) - 5, len(days) - 2, len(days)):
+        landing.mkdir(exist_ok=True)
+        for path in files[:cut]:
+            shutil.copy2(path, landing / path.name)
+        report = run_ingest(config).report
+    assert report["ingest"]["mode"] == "incremental"
+    full = run_ingest(
+        config_for(files[0].parent, tmp_path / "full", "ingest.max_quarantined_share=1")
+    )
+    assert full.report["ingest"]["mode"] == "full"
+    assert_same_as_full(tmp_path / "nightly" / "journeys", tmp_path / "full" / "journeys")
+    journeys = pl.read_parquet(tmp_path / "nightly" / "journeys" / "*.parquet")
+    assert (
+        journeys.select(pl.col("channel").list.eval(pl.element().is_null()).list.any())
+        .to_series()
+        .any()
+    )

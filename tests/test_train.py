@@ -531,6 +531,26 @@ def test_code_defaults_are_those_of_conf_default_yaml() -> None:
     assert {key: from_code[key] for key in from_code} == {key: from_yaml[key] for key in from_code}
 
 
+def test_conf_default_yaml_spells_every_key_out() -> None:
+    """The file is the full reference: every key of every section is written in it (the
+    features only as a comment: unset, they are those of the defaults the log has)."""
+    import yaml
+
+    from journeys.config import Config
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "conf" / "default.yaml").read_text()
+    raw = yaml.safe_load(text)
+    missing = [
+        f"{section}.{key}"
+        for section, settings in Config()
+        for key in type(settings).model_fields
+        if key not in (raw.get(section) or {})
+    ]
+    assert missing == ["data.features"]
+    assert "  # features: [channel, device]" in text
+
+
 def test_gpu_config_scales_training_and_keeps_everything_else() -> None:
     root = Path(__file__).resolve().parents[1]
     default_file, gpu_file = root / "conf" / "default.yaml", root / "conf" / "gpu.yaml"
@@ -630,6 +650,43 @@ def test_one_class_val_or_test_exits_2_and_registers_nothing(
     assert f"the {split} split" in err and "one class" in err and "split.fractions" in err
     assert not (tmp_path / "mlflow.db").exists()  # nothing created, nothing registered
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_split_setting_the_ingest_did_not_make_is_refused_naming_ingest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The split is made at ingest: a different split.fractions at train time would not
+    act, and would be logged as if it had. It is refused with the command that applies it."""
+    import subprocess
+    import sys
+
+    from journeys.cli import main
+
+    raw = tmp_path / "raw"
+    subprocess.run(
+        [sys.executable, "-m", "journeys.cli", "simulate", "--out", str(raw), "--users", "300"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    common = [
+        f"paths.raw={raw}",
+        f"paths.journeys={tmp_path / 'journeys'}",
+        f"paths.quarantine={tmp_path / 'quarantine'}",
+        f"paths.checkpoints={tmp_path / 'checkpoints'}",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
+
+    def command(name: str, *extra: str) -> int:
+        return main([name, *[arg for o in (*common, *extra) for arg in ("--set", o)]])
+
+    assert command("ingest") == 0
+    capsys.readouterr()
+    assert command("train", "split.fractions=[0.5, 0.25, 0.25]") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "split.fractions is 0.5/0.25/0.25 but the journeys" in err
+    assert "were split 0.7/0.15/0.15 at ingest" in err
+    assert "`journeys ingest --full --set split.fractions=[0.5, 0.25, 0.25]`" in err
+    assert not (tmp_path / "mlflow.db").exists()  # nothing logged as if it had acted
 
 
 def test_few_evaluation_conversions_and_a_warmup_longer_than_the_run_warn(
