@@ -50,7 +50,12 @@ DELETION_SAMPLE = 1_000  # test journeys in the deletion test
 # are reported, never voted (DEVELOPERS.md: choosing a default).
 CAN_TELL = 100
 # The defaults, and each candidate default as an override on top of them.
-VARIANTS = {"defaults": [], "periodic": ["model.continuous_encoding=periodic"]}
+VARIANTS = {
+    "defaults": [],
+    "periodic": ["model.continuous_encoding=periodic"],
+    "floor600": ["train.step_floor=600"],
+    "periodic+floor600": ["model.continuous_encoding=periodic", "train.step_floor=600"],
+}
 
 
 def simulated(out: Path) -> Path:
@@ -238,6 +243,9 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--logs", nargs="*", help="names of logs to run (default: all here)")
+    parser.add_argument(
+        "--variants", nargs="*", choices=list(VARIANTS), help="variants to run (default: all)"
+    )
     parser.add_argument("--no-record", action="store_true", help="print, do not touch RESULTS")
     args = parser.parse_args()
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -253,7 +261,8 @@ def main() -> None:
             skipped.append(f"{log.name}: {log.raw} is not there")
             continue
         print(f"{log.name} ({log.note})", flush=True)
-        rows += run_log(log, VARIANTS)
+        chosen = {name: VARIANTS[name] for name in args.variants or VARIANTS}
+        rows += run_log(log, chosen)
         print(f"  {rows[-1]}", flush=True)
     command = "python benchmarks/suite.py " + " ".join(sys.argv[1:])
     text = markdown(rows, command.strip(), skipped, time.perf_counter() - started)

@@ -150,6 +150,11 @@ class Data(Section):
     # The conversion as a flag column of the converting touch (see ConversionFlag).
     conversion_flag: ConversionFlag | None = None
     drop_events: list[str] = Field(default_factory=list)
+    # Outcomes that end a journey unconverted (a declined application, an unsubscribe):
+    # like a conversion they are not in its sequence and the next event starts a new
+    # journey (with journey.after_conversion: drop, what follows them until the next long
+    # gap is dropped), but the journey's label is 0.
+    end_events: list[str] = Field(default_factory=list)
     # User ids that are not users (a placeholder for anonymous traffic, a test account):
     # their rows are dropped and counted (dropped_by_config).
     exclude_users: list[str] = Field(default_factory=list)
@@ -236,6 +241,11 @@ class Data(Section):
         both = set(self.conversions) & set(self.drop_events)
         if both:
             raise ValueError(f"events both converting and dropped: {sorted(both)}")
+        ending = set(self.end_events) & {*self.conversions, *self.drop_events}
+        if ending:
+            raise ValueError(
+                f"end_events {sorted(ending)} are also conversions or drop_events: list each once"
+            )
         columns = self.event_columns
         reserved = {*REQUIRED_COLUMNS, SEQUENCE_COLUMN, FLAG, FLAG_TIME, FLAG_TS, FROM_FLAG}
         if reserved & set(columns):

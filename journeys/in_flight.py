@@ -78,8 +78,15 @@ class QuietSurvival:
             if wait.len() == 0:
                 return None
             finite = np.sort(wait.drop_nulls().to_numpy())
-            # share still quiet after t: waits longer than t, and the endless ones
-            quiet = (wait.len() - np.searchsorted(finite, grid, side="right")) / wait.len()
+            # Share still quiet after t: waits longer than t, and the endless ones, plus one
+            # wait as long as the longest seen and then some (Laplace's rule of succession,
+            # with a 1/t tail past the longest wait): a converting journey's curve goes on
+            # falling past what training saw, but never to 0, so a long-quiet open
+            # journey keeps its model's ranking.
+            longer = wait.len() - np.searchsorted(finite, grid, side="right")
+            longest = finite[-1] if finite.size else 0.0
+            beyond = np.minimum(1.0, longest / np.maximum(grid, 1e-9)) if longest else 1.0
+            quiet = (longer + beyond) / (wait.len() + 1)
             curves.append(tuple(float(s) for s in quiet))
         return cls(tuple(float(t) for t in grid), curves[0], curves[1])
 

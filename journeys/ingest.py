@@ -156,6 +156,7 @@ def build_journeys(
     conversion = pl.col("event_type").is_in(config.data.conversions)
     tagged = events.with_columns(
         _conversion=conversion,
+        _end=pl.col("event_type").is_in(config.data.end_events),
         _visit=(new_user | long_gap).cum_sum(),
     ).with_columns(
         pl.col(TS).max().over("_visit").alias(VISIT_END),
@@ -175,8 +176,9 @@ def build_journeys(
     if config.journey.after_conversion == "drop":
         # Drop what follows a conversion until the next long gap (e.g. a loan's back-office
         # steps after approval): such events belong to the converted journey's aftermath.
-        seen = pl.col("_conversion").cast(pl.Int32).cum_sum().over("_visit", order_by=ROW_ORDER)
-        after = (seen - pl.col("_conversion").cast(pl.Int32)) > 0
+        outcome = (pl.col("_conversion") | pl.col("_end")).cast(pl.Int32)
+        seen = outcome.cum_sum().over("_visit", order_by=ROW_ORDER)
+        after = (seen - outcome) > 0
         flagged = tagged.with_row_index(ROW_ORDER).with_columns(_after=after)
         # Rows of the log only: a conversion made from a flag column is not one.
         input_rows = ~pl.col(FROM_FLAG) if FROM_FLAG in events.columns else pl.lit(True)
@@ -186,13 +188,13 @@ def build_journeys(
     tagged = tagged.with_columns(
         _journey=(
             (pl.col("_visit") != pl.col("_visit").shift(1)).fill_null(True)
-            | pl.col("_conversion").shift(1).fill_null(False)
+            | (pl.col("_conversion") | pl.col("_end")).shift(1).fill_null(False)
         ).cum_sum()
     )
 
     repeats = tagged.filter(pl.col("_repeat"))
     repeats_open = repeats.filter(in_open_visit).height
-    in_sequence = ~pl.col("_conversion")
+    in_sequence = ~(pl.col("_conversion") | pl.col("_end"))
     sequence_columns = ["event_type", *features]
     grouped = tagged.group_by("_journey", maintain_order=True).agg(
         pl.col("user_id").first(),
@@ -204,7 +206,8 @@ def build_journeys(
         pl.col(TS).filter(in_sequence).tail(max_events).alias("event_time"),
         pl.col(VISIT_END).first(),
     )
-    empty = grouped.filter(pl.col("n_events_total") == 0)
+    # A conversion with no event before it labels no journey (an end event alone ends none).
+    empty = grouped.filter((pl.col("n_events_total") == 0) & (pl.col("label") == 1))
     journeys = grouped.filter(pl.col("n_events_total") > 0).drop("_journey")
     journeys = journeys.with_columns(
         journey_id_expr().alias("journey_id"),

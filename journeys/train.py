@@ -480,10 +480,11 @@ def quiet_survival(journeys: pl.DataFrame, max_gap: timedelta) -> QuietSurvival 
 
 def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, float]:
     """What the run logs beside the test metrics: split sizes, parameters, the share of
-    negatives drawn per epoch and the best validation AUC."""
+    negatives drawn per epoch, the optimiser steps made and the best validation AUC."""
     facts = {f"n_{split}": float(sizes[split]["n"]) for split in SPLITS}
     facts["n_parameters"] = float(fitted.module.model.num_parameters())
     facts["negative_fraction"] = fitted.module.negative_fraction
+    facts["optimizer_steps"] = float(fitted.module.trainer.global_step)
     if fitted.checkpoint.best_model_score is not None:
         facts["best_val_roc_auc"] = float(fitted.checkpoint.best_model_score)
     return facts

@@ -108,7 +108,7 @@ RULES = {
     "data": (
         "features", "numeric_features", "columns", "header", "separator", "timezone",
         "timestamp_unit", "timestamp_format", "event_map", "conversion_events",
-        "conversion_flag", "drop_events", "exclude_users",
+        "conversion_flag", "drop_events", "exclude_users", "end_events",
     ),
     "journey": ("max_gap", "max_events", "after_conversion", "repeat_conversions"),
 }  # fmt: skip
@@ -138,6 +138,7 @@ class JourneyRules:
     conversion_flag: dict[str, Any] | None = None
     exclude_users: tuple[str, ...] = ()
     repeat_conversions: str = "with_previous"
+    end_events: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: Config) -> JourneyRules:

@@ -568,3 +568,34 @@ def test_a_feature_missing_from_a_whole_split_is_warned_about(tmp_path: Path) ->
     warnings = [w for w in report["warnings"] if w.startswith("feature referrer")]
     assert any("on 0% of the test events against" in w for w in warnings)
     assert all("did the column leave the export?" in w for w in warnings)
+
+
+def test_end_events_end_a_journey_unconverted_and_with_drop_what_follows_goes(
+    tmp_path: Path,
+) -> None:
+    """A declined application ends its journey as an approval does: neither decision is
+    in the sequence, and what follows either (the work items closed afterwards) is
+    dropped, so no kept event tells the outcome."""
+    raw = tmp_path / "cases.csv"
+    raw.write_text(
+        "user_id,timestamp,event_type\n"
+        "c1,2026-03-02T09:00:00Z,submitted\nc1,2026-03-02T09:05:00Z,validate_start\n"
+        "c1,2026-03-02T09:06:00Z,approved\nc1,2026-03-02T09:07:00Z,validate_complete\n"
+        "c2,2026-03-02T10:00:00Z,submitted\nc2,2026-03-02T10:05:00Z,validate_start\n"
+        "c2,2026-03-02T10:06:00Z,declined\nc2,2026-03-02T10:07:00Z,validate_complete\n"
+    )
+    config = config_for(
+        raw, tmp_path, "data.features=[]", "data.conversion_events=[approved]",
+        "data.end_events=[declined]", "journey.after_conversion=drop",
+        "data.observed_until=2026-04-01T00:00:00Z",
+    )  # fmt: skip
+    result = run_ingest(config)
+    assert_accounting(result.report)
+    journeys = result.journeys.sort("user_id")
+    assert journeys["event_type"].to_list() == [["submitted", "validate_start"]] * 2
+    assert journeys["label"].to_list() == [1, 0]
+    assert [t.strftime("%H:%M") for t in journeys["end_time"]] == ["09:06", "10:06"]
+    assert result.report["dropped_after_conversion"] == 2
+    assert result.report["conversions_without_journey"] == 0
+    with pytest.raises(Exception, match="end_events"):
+        load_config(None, ["data.end_events=[purchase]"])

@@ -52,14 +52,24 @@ def test_quiet_survival_counts_the_wait_after_every_event() -> None:
     def quiet(curve: tuple[float, ...], t: float) -> float:
         return float(np.interp(np.log1p(t), np.log1p(seconds), curve))
 
-    assert [quiet(survival.converted, t) for t in at] == pytest.approx([1, 0, 0, 0], abs=0.02)
+    # Shares of waits still quiet, with one more wait as long as the longest seen, falling
+    # as 1/t past it (two waits each: the converting curve's tail is 1/3 x 60 s / t).
+    week = MAX_GAP.total_seconds()
+    assert [quiet(survival.converted, t) for t in at] == pytest.approx(
+        [1, 60 / 100 / 3, 60 / 5000 / 3, 60 / week / 3], abs=0.02
+    )
+    # Not converting: the endless wait stays quiet; the extra one falls past 3600 s.
     assert [quiet(survival.not_converted, t) for t in at] == pytest.approx(
-        [1, 1, 0.5, 0.5], abs=0.02
+        [1, 1, (1 + 3600 / 5000) / 3, (1 + 3600 / week) / 3], abs=0.02
     )
     q = np.full(4, 0.3)
     probability = survival.probability(q, at)
     assert probability[0] == pytest.approx(0.3, abs=0.01)  # nobody has waited that long yet
-    assert probability[2] == probability[3] == 0.0  # converters never wait this long
+    # Converters never waited this long: less and less likely, but never exactly 0 ...
+    assert 0 < probability[3] < probability[2] < probability[1] < probability[0]
+    # ... so open journeys quiet past every converting wait keep the model's ranking.
+    ranked = survival.probability(np.array([0.05, 0.2, 0.6]), np.full(3, MAX_GAP.total_seconds()))
+    assert 0 < ranked[0] < ranked[1] < ranked[2]
     # Stored with the model as plain JSON and read back unchanged.
     assert QuietSurvival.from_dict(json.loads(json.dumps(survival.to_dict()))) == survival
     assert QuietSurvival.fit(journeys_frame([(0, [0, 5], None)]), MAX_GAP) is None
@@ -180,8 +190,18 @@ def test_replay_on_a_small_simulation_runs_end_to_end(
     in_flight.main()
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "ROC" not in line]
-    assert len(rows) == 4  # two objectives, with and without the quiet time
+    table = [row for row in rows if "quiet for" not in row and " | under 1h |" not in row]
+    assert len([r for r in table if "h |" not in r and "1d |" not in r]) == 4
     assert "journeys open at the cut" in printed
+    # By quiet time, open journeys: none scored exactly 0, and the conversions observed after
+    # the cut lie within the interval of those expected, for the default objective.
+    buckets = [r.split(" | ") for r in rows if r.startswith("| journey (default) | ")]
+    assert [b[1] for b in buckets] == ["under 1h", "1h-1d", "over 1d"]
+    for _, _, journeys, observed, expected, smallest in buckets:
+        low, high = (float(x) for x in expected.split("[")[1].rstrip("]").split(", "))
+        if int(journeys.replace(",", "")) >= 50:
+            assert low <= float(observed) <= high, expected
+        assert float(smallest.rstrip(" |")) > 0
     # Its own MLflow run, with every figure and the reliability plot.
     client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("journeys-in-flight")
