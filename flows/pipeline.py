@@ -690,12 +690,31 @@ def one_line_user_errors() -> Iterator[None]:
             del handler.format  # back to the class's method
 
 
+@contextlib.contextmanager
+def lightning_logs_once() -> Iterator[None]:
+    """Lightning's records reach the console once, through Prefect's handler (which also
+    sends them to the run's logs), not a second time through the handler Lightning adds
+    to its own `lightning` logger when it is first imported (now, so it can be taken off;
+    scoring and training import it anyway)."""
+    import lightning  # noqa: F401  (adds the handler)
+
+    logger = logging.getLogger("lightning")
+    own = [h for h in logger.handlers if type(h) is logging.StreamHandler]
+    for handler in own:
+        logger.removeHandler(handler)
+    try:
+        yield
+    finally:
+        for handler in own:
+            logger.addHandler(handler)
+
+
 def pipeline_command(config: Config) -> dict[str, Any]:
     """`journeys pipeline`: run the pipeline flow, then print a short summary. With no
     Prefect API configured, the run reports to a server that dies with this process."""
     from flows.prefect_server import run_server
 
-    with run_server(), one_line_user_errors():
+    with run_server(), one_line_user_errors(), lightning_logs_once():
         summary = pipeline_flow(config=config)
     print(text.console_summary(summary))
     return summary

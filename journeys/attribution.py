@@ -112,9 +112,9 @@ def score_features(schema: pl.Schema) -> list[str]:
 
 
 def report_dimensions(features: list[str], by: list[str] | None) -> list[str]:
-    """What credit is broken down by: `by` (features or event_type), else every feature,
-    else event_type. Raise `InputError` on a dimension that is not there."""
-    dimensions = list(by) if by else (list(features) or ["event_type"])
+    """What credit is broken down by: `by` (features or event_type), else event_type and
+    every feature. Raise `InputError` on a dimension that is not there."""
+    dimensions = list(by) if by else ["event_type", *features]
     unknown = [name for name in dimensions if name not in [*features, "event_type"]]
     if unknown:
         raise InputError(
@@ -345,25 +345,33 @@ def markov_removal_effects(transitions: pl.DataFrame) -> MarkovResult:
     return MarkovResult(table, removal, base)
 
 
-def markov_attribution(paths: pl.LazyFrame, max_states: int) -> MarkovResult:
-    """Fit the chain on `paths` (touchpoints + converted), lumping rare touchpoints into
-    `(other)` beyond `max_states` so the number of linear solves stays small."""
+def frequent_touchpoints(touchpoints: pl.LazyFrame, max_states: int) -> list[str] | None:
+    """The `max_states - 1` commonest touchpoints of the `touchpoints` lists, or None when
+    there are no more than `max_states` (then none is lumped)."""
     frequent = (
-        paths.select(pl.col("touchpoints").explode().alias("touchpoint"))
+        touchpoints.select(pl.col("touchpoints").explode().alias("touchpoint"))
         .group_by("touchpoint")
         .agg(count=pl.len())
         .sort(["count", "touchpoint"], descending=[True, False])
         .collect(engine="streaming")
     )
-    if frequent.height > max_states:
-        keep = frequent.head(max_states - 1).get_column("touchpoint").implode()
-        paths = paths.with_columns(
-            pl.col("touchpoints").list.eval(
-                pl.when(pl.element().is_in(keep.first()))
-                .then(pl.element())
-                .otherwise(pl.lit(OTHER))
-            )
-        )
+    if frequent.height <= max_states:
+        return None
+    return frequent.head(max_states - 1).get_column("touchpoint").to_list()
+
+
+def lumped(touchpoints: pl.Expr, keep: list[str] | None) -> pl.Expr:
+    """Each list's touchpoints, those not in `keep` as `(other)` (None: all kept)."""
+    if keep is None:
+        return touchpoints
+    kept = pl.lit(pl.Series(keep, dtype=pl.String)).implode()
+    return touchpoints.list.eval(
+        pl.when(pl.element().is_in(kept.first())).then(pl.element()).otherwise(pl.lit(OTHER))
+    )
+
+
+def markov_attribution(paths: pl.LazyFrame) -> MarkovResult:
+    """Fit the chain on `paths` (touchpoints, rare ones lumped, + converted)."""
     return markov_removal_effects(markov_transitions(paths))
 
 
@@ -411,11 +419,16 @@ def explain_sample(
     return frame.with_columns(integrated_gradients_frame(trained, frame))
 
 
-def ig_credit(explained: pl.DataFrame, dimension: str) -> tuple[pl.DataFrame, int]:
-    """Integrated-gradients credit shares by `dimension` over the explained sample, and
-    how many journeys had some positive attribution to share out."""
+def ig_credit(
+    explained: pl.DataFrame, dimension: str, keep: list[str] | None = None
+) -> tuple[pl.DataFrame, int]:
+    """Integrated-gradients credit shares by `dimension` over the explained sample (the
+    touchpoints not in `keep` as `(other)`), and how many journeys had some positive
+    attribution to share out."""
     weights = normalised_positive(
-        explained.select(_filled(dimension).alias("touchpoints"), "integrated_gradients"),
+        explained.select(
+            lumped(_filled(dimension), keep).alias("touchpoints"), "integrated_gradients"
+        ),
         "integrated_gradients",
     )
     table = (
@@ -458,8 +471,10 @@ def build_report(
     settings = settings or Attribution()
     schema = scores.collect_schema()
     features = score_features(schema)
-    constant = [] if settings.by else constant_within_journeys(scores, features)
+    constant = [] if settings.by else constant_within_journeys(scores, ["event_type", *features])
     dimensions = report_dimensions([f for f in features if f not in constant], settings.by)
+    if not settings.by:
+        dimensions = [d for d in dimensions if d not in constant] or ["event_type"]
     # All columns stay available (IG re-encodes the journeys); projection pushdown reads
     # only what each query uses.
     journeys = scores.with_columns(outcome_expr(schema))
@@ -485,16 +500,21 @@ def build_report(
     credits, transitions, removals, figures = [], [], [], {}
     markov_probability: dict[str, float] = {}
     for dimension in dimensions:
-        touchpoints = _filled(dimension).alias("touchpoints")
+        # Rare touchpoints are lumped into `(other)` beyond `markov_max_states` (the chain
+        # solves one system per state), for every method alike, so the columns compare.
+        keep = frequent_touchpoints(
+            known.select(_filled(dimension).alias("touchpoints")), settings.markov_max_states
+        )
+        touchpoints = lumped(_filled(dimension), keep).alias("touchpoints")
         paths = known.select(touchpoints, converted=pl.col("outcome") == CONVERTED)
-        markov = markov_attribution(paths, settings.markov_max_states)
+        markov = markov_attribution(paths)
         on_converted = converted.with_columns(touchpoints)
         credit = _outer(
             rule_based_credit(on_converted).lazy(), attention_credit(on_converted).lazy()
         )
         credit = _outer(credit, markov.removal.select("touchpoint", "markov").lazy())
         if explained is not None:
-            ig_table, explained_journeys = ig_credit(explained, dimension)
+            ig_table, explained_journeys = ig_credit(explained, dimension, keep)
             credit = _outer(credit, ig_table.lazy())
             summary[f"ig_explained_{dimension}"] = explained_journeys
         table = credit.collect()

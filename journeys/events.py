@@ -473,7 +473,18 @@ def scan_events(
     check_timestamp_format(data.timestamp_format)
     sources = raw if isinstance(raw, list) else resolve_sources(raw)
     names = read_columns(data)
-    read = [_read_file(path, data, names) for path in sources]
+    try:
+        read = [_read_file(path, data, names) for path in sources]
+    except InputError as err:
+        if len(sources) > 1 and "missing column(s)" in str(err):
+            # A folder that holds other tables beside the events (users, products).
+            folder = sources[0].parent
+            raise InputError(
+                f"{err}; or, if that file is another table, point paths.raw at the events' "
+                f"files alone (a glob such as {folder / ('*' + sources[0].suffix)} matched "
+                f"to their names, or one file)"
+            ) from None
+        raise
     nowhere = set.intersection(*(set(absent) for _, absent, _ in read)) if read else set()
     unused = [] if data.features_given else [f for f in data.features if f in nowhere]
     nowhere -= {*unused, *held_before}

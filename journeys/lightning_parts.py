@@ -14,7 +14,10 @@ what changes when the way the network learns changes:
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -47,6 +50,15 @@ from journeys.vocab import Vocabularies
 
 if TYPE_CHECKING:
     from journeys.config import Config, Train
+
+class _NoTips(logging.Filter):
+    """Lightning advertises a cloud logger at every fit ("💡 Tip: ..."): noise in run logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("\N{ELECTRIC LIGHT BULB} Tip")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoTips())
 
 LAST_CHECKPOINT = "last.ckpt"
 ADAM_EPS = 1e-9
@@ -417,6 +429,27 @@ class ValidateLastEpoch(Callback):
             trainer.check_val_every_n_epoch = 1
 
 
+class EpochLines(Callback):
+    """One line per validated epoch, for logs that are not a terminal (a scheduled run's
+    file, a Prefect worker): a progress bar there shows nothing until it is flushed."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.global_rank != 0:
+            return
+        metrics = trainer.callback_metrics
+        shown = ", ".join(
+            f"{name} {float(metrics[name]):.4f}"
+            for name in ("train_loss", "val_loss", "val_roc_auc")
+            if name in metrics
+        )
+        epochs = f"{trainer.current_epoch + 1}/{trainer.max_epochs}"
+        elapsed = time.monotonic() - self.started
+        print(f"epoch {epochs}: {shown} ({elapsed:.0f} s)", flush=True)
+
+
 def global_rank() -> int:
     """This process's rank, known before the Trainer starts (env set by the launcher)."""
     return int(rank_zero_only.rank)
@@ -497,12 +530,15 @@ def build_trainer(
     early_stopping = EarlyStopping(
         monitor=monitor, mode="max", patience=settings.patience, check_finite=False, strict=False
     )
+    # A terminal gets the progress bar; a log file gets one line per epoch instead.
+    bar = progress and sys.stdout.isatty()
     callbacks: list[Callback] = [
         checkpoint,
         last,
         early_stopping,
         ValidateLastEpoch(),
         *weight_averaging(settings),
+        *([EpochLines()] if progress and not bar else []),
     ]
     trainer = L.Trainer(
         accelerator=settings.accelerator,
@@ -517,7 +553,7 @@ def build_trainer(
         callbacks=callbacks,
         default_root_dir=config.paths.checkpoints,
         log_every_n_steps=1,  # only epoch-level metrics are logged; this just silences a warning
-        enable_progress_bar=progress,
+        enable_progress_bar=bar,
         enable_model_summary=progress,
     )
     return trainer, checkpoint

@@ -103,10 +103,10 @@ def decide(
     conversions, n = int(labels.sum()), labels.size
     if not settings.guard:  # plumbing and demos: the transformer, against the champion only
         metrics = {kind: _metrics(labels, scores) for kind, scores in candidates.items()}
+        why = f"{TRANSFORMER} serves (promotion.guard off)"
         return _against_champion(
-            labels, TRANSFORMER, candidates[TRANSFORMER], champion, metrics,
-            " (promotion.guard off)",
-        )  # fmt: skip
+            labels, TRANSFORMER, candidates[TRANSFORMER], champion, metrics, why
+        )
     if conversions < settings.min_val_conversions or conversions == n:
         return Decision(
             False,

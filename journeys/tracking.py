@@ -300,11 +300,17 @@ def _flatten_counts(prefix: str, value: Any, out: dict[str, float]) -> None:
         out[prefix] = float(value)
 
 
+# Report entries keyed by file paths: not names to compare runs by (the artifact has them).
+UNLOGGED_REPORT_KEYS = ("by_source", "sources")
+
+
 def ingest_counts(report: dict[str, Any]) -> dict[str, float]:
-    """Numeric entries of the ingest report as flat metric names (`ingest_rows_read`, ...)."""
+    """Numeric entries of the ingest report as flat metric names (`ingest_rows_read`, ...;
+    the last run's own figures, the report's `ingest` entry, as `ingest_run_*`)."""
     out: dict[str, float] = {}
     for key, value in report.items():
-        _flatten_counts(f"ingest_{key}", value, out)
+        if key not in UNLOGGED_REPORT_KEYS:
+            _flatten_counts("ingest_run" if key == "ingest" else f"ingest_{key}", value, out)
     return out
 
 

@@ -69,7 +69,7 @@ def test_markov_removal_effects_match_the_hand_calculation() -> None:
     paths = pl.LazyFrame(
         {"touchpoints": [p for p, _ in PATHS], "converted": [bool(y) for _, y in PATHS]}
     )
-    result = markov_attribution(paths, max_states=100)
+    result = markov_attribution(paths)
     assert result.conversion_probability == pytest.approx(3 / 5, abs=1e-9)
     removal = {row["touchpoint"]: row for row in result.removal.iter_rows(named=True)}
     assert removal["A"]["removal_effect"] == pytest.approx(3 / 5, abs=1e-9)
@@ -103,7 +103,8 @@ def test_a_feature_constant_within_every_journey_is_skipped_unless_named() -> No
     scores = scores_frame().with_columns(device=pl.Series(devices))
     report = build_report(scores)
     assert report.credit["dimension"].unique().to_list() == ["channel"]
-    assert report.summary["constant_features_skipped"] == ["device"]
+    # (event_type too: every journey here is views only.)
+    assert report.summary["constant_features_skipped"] == ["event_type", "device"]
     named = build_report(scores, settings=Attribution(by=["channel", "device"])).credit
     assert sorted(named["dimension"].unique().to_list()) == ["channel", "device"]
     # One journey whose device changes is enough to keep it.
@@ -217,8 +218,9 @@ def test_attribute_command_writes_tables_plots_and_one_line_errors(
         assert (report / plot).read_bytes()[:4] == b"\x89PNG"
     credit = pl.read_parquet(report / "credit.parquet")
     assert credit.columns == ["dimension", "touchpoint", *METHODS]  # IG from the scores' model
-    # By default every feature the model read is a dimension; each one's credit sums to 1.
-    assert set(credit["dimension"]) == {"channel", "device"}
+    # By default event types and every feature the model read are dimensions; each one's
+    # credit sums to 1.
+    assert set(credit["dimension"]) == {"event_type", "channel", "device"}
     for (dimension,), part in credit.group_by("dimension"):
         for method in METHODS:
             assert part[method].sum() == pytest.approx(1.0), (dimension, method)
@@ -248,3 +250,27 @@ def test_attribute_command_writes_tables_plots_and_one_line_errors(
     code = main(["attribute", "--scores", str(tmp_path / "nowhere"), *settings(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "scores not found" in err
+
+
+def test_by_default_credit_is_by_event_type_and_every_feature_with_the_same_touchpoints() -> None:
+    """Event types beside the features (a feature does not hide them), and the rare
+    touchpoints lumped into `(other)` for every method alike, not for the Markov column
+    alone: the columns compare, each summing to one over the same touchpoints."""
+    from journeys.config import Attribution
+
+    events = [["view", "click"][: len(p)] + ["view"] * (len(p) - 2) for p, _ in PATHS]
+    scores = scores_frame().with_columns(event_type=pl.Series(events))
+    report = build_report(scores)
+    assert report.credit["dimension"].unique(maintain_order=True).to_list() == [
+        "event_type", "channel",
+    ]  # fmt: skip
+    rare = [[f"C{i}" for i in range(len(p))] for p, _ in PATHS]  # 10 touchpoints, most once
+    lumped = build_report(
+        scores_frame().with_columns(channel=pl.Series(rare)),
+        settings=Attribution(by=["channel"], markov_max_states=3),
+    ).credit
+    assert sorted(lumped["touchpoint"].to_list()) == ["(other)", "C0", "C1"]
+    for method in ("attention", "first_touch", "last_touch", "linear", "markov"):
+        assert lumped[method].sum() == pytest.approx(1.0), method
+    for method in ("attention", "linear", "markov"):  # every touch takes a share
+        assert lumped.filter(pl.col("touchpoint") == "(other)")[method].item() > 0, method

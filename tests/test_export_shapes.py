@@ -599,3 +599,19 @@ def test_end_events_end_a_journey_unconverted_and_with_drop_what_follows_goes(
     assert result.report["conversions_without_journey"] == 0
     with pytest.raises(Exception, match="end_events"):
         load_config(None, ["data.end_events=[purchase]"])
+
+
+def test_a_folder_holding_another_table_names_the_glob_remedy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "events.csv").write_text(
+        "user_id,timestamp,event_type\nu1,2026-03-02T09:00:00Z,view\n"
+    )
+    (folder / "users.csv").write_text("user_id,country\nu1,FR\n")
+    assert cli_ingest(folder, tmp_path, "data.features=[]") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "users.csv: missing column(s) timestamp (timestamp), event_type (event_type)" in err
+    assert "if that file is another table, point paths.raw at the events' files alone" in err

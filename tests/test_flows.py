@@ -712,3 +712,34 @@ def test_a_flows_paths_are_made_absolute_on_its_host(
     assert all(Path(value).is_absolute() for _, value in resolved.paths)
     again = resolve_config(config_file=None, overrides=["paths.scores=/srv/scores"])
     assert again.paths.scores == "/srv/scores" and Path(again.paths.reports).is_absolute()
+
+
+def test_lightning_lines_reach_the_console_once_and_without_the_tip() -> None:
+    """Under Prefect, Lightning's records go through Prefect's handler (console and run
+    logs) alone, not a second time through the handler Lightning adds; its advertising
+    tip goes nowhere."""
+    import logging
+
+    import journeys.lightning_parts  # noqa: F401  (the tip's filter)
+    from flows.pipeline import lightning_logs_once
+
+    records: list[logging.LogRecord] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    root, capture = logging.getLogger(), Capture()
+    root.addHandler(capture)
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    try:
+        with lightning_logs_once():
+            own = logging.getLogger("lightning").handlers
+            assert not [h for h in own if type(h) is logging.StreamHandler]
+            rank_zero.info("GPU available: False, used: False")
+            rank_zero.info("\N{ELECTRIC LIGHT BULB} Tip: For seamless cloud logging, try litlogger")
+    finally:
+        root.removeHandler(capture)
+    assert [r.getMessage() for r in records] == ["GPU available: False, used: False"]
+    # Outside the pipeline, Lightning keeps its own handler.
+    assert [h for h in logging.getLogger("lightning").handlers if type(h) is logging.StreamHandler]

@@ -104,11 +104,20 @@ def test_ingest_report_counts_become_flat_metric_names() -> None:
         "quarantined": {"bad_timestamp": 2},
         "journeys_by_split": {"train": 3},
     }
-    counts = tracking.ingest_counts({**report, "source": "data/raw", "ok": True})
+    counts = tracking.ingest_counts(
+        {
+            **report,
+            "source": "data/raw",
+            "ok": True,
+            "ingest": {"rows_read": 4},  # the last run's own figures: named once
+            "by_source": {"/data/raw/day-1.csv": {"rows": 10}},  # paths: not metric names
+        }
+    )
     assert counts == {
         "ingest_rows_read": 10.0,
         "ingest_quarantined_bad_timestamp": 2.0,
         "ingest_journeys_by_split_train": 3.0,
+        "ingest_run_rows_read": 4.0,
     }
 
 

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import mlflow
@@ -769,3 +770,13 @@ def test_train_stopped_by_sigterm_exits_143_and_marks_its_run_killed(tmp_path: P
     run = MlflowClient(uri).get_run(state["run_id"])
     assert run.info.status == "KILLED"
     assert not MlflowClient(uri).search_registered_models()
+
+
+def test_a_log_that_is_not_a_terminal_gets_a_line_per_epoch(trained) -> None:
+    """Captured output is no terminal: no progress bar, one line per validated epoch with
+    its figures (a scheduled run's log shows progress as it goes)."""
+    printed = trained[3]
+    lines = [line for line in printed.splitlines() if line.startswith("epoch ")]
+    assert lines and all("val_roc_auc" in line for line in lines)
+    # Validated every few epochs here (a small log's step schedule): the last one ends it.
+    assert re.match(r"epoch \d+/\d+: .*\(\d+ s\)$", lines[0])
