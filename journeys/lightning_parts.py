@@ -51,6 +51,7 @@ from journeys.vocab import Vocabularies
 if TYPE_CHECKING:
     from journeys.config import Config, Train
 
+
 class _NoTips(logging.Filter):
     """Lightning advertises a cloud logger at every fit ("💡 Tip: ..."): noise in run logs."""
 
