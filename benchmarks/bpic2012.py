@@ -346,7 +346,7 @@ def setting_overrides(setting: str) -> list[str]:
         f"data.features=[{','.join(INGEST_FEATURES)}]",
     ]
     if setting == "leak_free":
-        return common  # the shipped drop_events, A_APPROVED conversion, after_conversion drop
+        return common  # the shipped drop and end events, A_APPROVED conversion, cut at decisions
     if setting == "reference":
         # Nothing dropped and nothing cut: every event of the case is in its sequence.
         # Labels come from the offer events here, not from ingest: no conversion is expected.
@@ -354,6 +354,7 @@ def setting_overrides(setting: str) -> list[str]:
             *common,
             f"data.conversion_events=[{NEVER}]",
             "data.drop_events=[]",
+            "data.end_events=[]",
             "ingest.require_conversions=false",
         ]
     raise ValueError(f"unknown setting {setting!r}; choose from {SETTINGS}")

@@ -168,11 +168,36 @@ def main() -> None:
     parser.add_argument("--source", type=Path, help="a CausalMTA checkout or git directory")
     parser.add_argument("--evaluate", metavar="MODEL_URI", help="score the test journeys")
     parser.add_argument("--tracking-uri", help="where MODEL_URI is (default: the config's)")
+    parser.add_argument("--record", action="store_true", help="write the RESULTS.md section")
     args = parser.parse_args()
     if args.source:
         convert(args.source)
     if args.evaluate:
-        print(evaluate(args.evaluate, args.tracking_uri))
+        figures = evaluate(args.evaluate, args.tracking_uri)
+        print(figures)
+        if args.record:
+            record(figures, " ".join(sys.argv[1:]))
+
+
+def record(figures: dict[str, float], arguments: str) -> None:
+    from datetime import date
+
+    from benchmarks.recording import machine, record_section
+
+    record_section(
+        f"""## Criteo attribution journeys, CausalMTA's test split ({date.today().isoformat()})
+
+`python benchmarks/criteo_mta.py {arguments}` on {machine()}: the model trained on the train
+journeys (the product's own temporal split, the defaults), scored on CausalMTA's
+{figures["journeys"]:,.0f} test journeys ({figures["conversions"]:,.0f} converted), never
+used to choose anything. Published: DCRMTA 0.801 (CausalMTA's table).
+
+| probability | ROC AUC | PR AUC |
+|---|---|---|
+| served (the registered candidate) | {figures["served_roc_auc"]:.4f} | {figures["served_pr_auc"]:.4f} |
+| the transformer alone | {figures["transformer_roc_auc"]:.4f} | {figures["transformer_pr_auc"]:.4f} |
+"""
+    )
 
 
 if __name__ == "__main__":

@@ -238,14 +238,19 @@ def deletion_table(
     weights: pl.DataFrame,
     ks: tuple[int, ...],
     methods: tuple[str, ...] = METHODS,
+    on: str = "probability",
 ) -> pl.DataFrame:
-    """Mean drop in probability after deleting the top-k events vs k random events."""
+    """Mean drop in the served probability (or, `on="logit"`, in the transformer's own
+    logit) after deleting the top-k events vs k random events."""
     from journeys.score import score_frame
 
     lists = ["event_type", "event_time", *loaded.encoder.event_columns]
 
     def probability(journeys: pl.DataFrame) -> pl.DataFrame:
         rebuilt = journeys.join(frame.select("journey_id", "user_id"), on="journey_id")
+        if on == "logit":
+            logits = loaded.predict_logits(rebuilt, batch_size=512)
+            return pl.DataFrame({"journey_id": rebuilt["journey_id"], "p": logits})
         scored = score_frame(loaded, rebuilt, attention=None, batch_size=512)
         return scored.select("journey_id", p="conversion_probability")
 

@@ -177,28 +177,37 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
     return rows
 
 
-def attention_deletion(model_uri: str, config, test: pl.DataFrame) -> float:
-    """Mean drop when each test journey loses its most-attended event, over a random one."""
+def attention_deletion(model_uri: str, config, test: pl.DataFrame) -> tuple[float, float]:
+    """Mean drop in the transformer's logit when each test journey loses its most-attended
+    event, and when it loses a random one (whatever candidate the registered model serves:
+    the attention is the transformer's, judged against its own logit)."""
     from journeys.score import score_frame
     from journeys.tracking import tracking_uri
     from journeys.trained_model import load_model
 
     trained = load_model(model_uri, tracking_uri(config))
-    # The attention is the transformer's: judged against its own probability, whatever
-    # candidate the registered model serves.
-    trained.stack = trained.baseline = None
     frame = test.filter(pl.col("event_type").list.len() > 1)
     if frame.height > DELETION_SAMPLE:
         frame = frame.sample(DELETION_SAMPLE, seed=0)
     if frame.height == 0:
-        return float("nan")
+        return float("nan"), float("nan")
     scored = score_frame(trained, frame, attention="pooled")
     weights = scored.select("journey_id", pooled="attention")
     # score_frame cut the lists to the events the model read: delete among those.
     lists = ["event_type", "event_time", *trained.encoder.event_columns]
     cut = frame.with_columns(scored.select(lists).get_columns())
-    table = deletion_table(trained, cut, weights, (1,), methods=("pooled",))
-    return float(table.get_column("ratio")[0])
+    table = deletion_table(trained, cut, weights, (1,), methods=("pooled",), on="logit")
+    return float(table.get_column("top_k_drop")[0]), float(table.get_column("random_drop")[0])
+
+
+def deletion_ratio(top: float, random: float) -> str:
+    """Top-attended over random drop; where a random deletion raises the logit on average
+    (a negative drop) while the top one lowers it, the ratio is unbounded: said so."""
+    if math.isnan(top) or math.isnan(random):
+        return ""
+    if random <= 0 < top:
+        return "inf (random raises it)"
+    return f"{top / random:.2f}x"
 
 
 def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float) -> str:
@@ -215,11 +224,12 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
         "(marked yes); the others are reported, not voted. Served: the candidate the "
         "registry chose on val and its test ROC AUC; best: the run's best model on test. "
         "True p on test: the ROC AUC of a generator's true probability on the same test "
-        "labels. Deletion: mean drop in the transformer's probability when a test journey "
-        "loses its most-attended event, over the drop for a random one.",
+        "labels. Deletion: mean drop in the transformer's logit when a test journey loses its "
+        "most-attended event, and when it loses a random one.",
         "",
         "| log | variant | train/val/test (conversions) | can tell | transformer [95%] "
-        "| served | best of the run | hgb_aggregates | true p | deletion | decision | seconds |",
+        "| served | best of the run | hgb_aggregates | true p | deletion: top / random logit "
+        "drop (ratio) | decision | seconds |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -233,7 +243,8 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
             f"| {row['log']} | {row['variant']} | {row['n']} ({row['conversions']}) | {tells} "
             f"| {row['transformer']:.4f} [{low:.3f}, {high:.3f}] "
             f"| {row['served_kind']} {row['served']:.4f} | {row['best_kind']} {row['best']:.4f} "
-            f"| {row['hgb_aggregates']:.4f} | {bayes} | {row['deletion']:.2f}x "
+            f"| {row['hgb_aggregates']:.4f} | {bayes} | {row['deletion'][0]:.3f} / "
+            f"{row['deletion'][1]:.3f} ({deletion_ratio(*row['deletion'])}) "
             f"| {row['champion']} | {row['seconds']:.0f} |"
         )
     lines += ["", *(f"- Not in this run: {line}." for line in skipped), ""]

@@ -12,7 +12,11 @@ summary, the run and the model version say which decided, why, and what to do:
    learned nothing: it is out, and when no candidate is left, nothing is served;
 3. the best val ROC AUC wins, but a tie goes to the transformer, then the stack: within
    `promotion.tie_margin` of the best they are preferred (their attention explains the
-   journeys; scores carry it whatever gives the probability);
+   journeys; scores carry it whatever gives the probability); and unless a rival is
+   clearly ahead of them (a paired DeLong test at `promotion.confidence`), not merely
+   ahead on this val split, the stack (the transformer and the strong booster), then
+   `hgb_aggregates` go first: among close rivals the one first on val is often last on
+   test;
 4. `promotion.metrics` beside ROC AUC: a candidate clearly worse than a rival on PR AUC or
    log loss (beyond doubt by a paired one-sided test at `promotion.confidence`, and by
    more than `promotion.metric_tolerance` of the rival's figure) is passed over for the
@@ -53,6 +57,8 @@ from journeys.metrics import (
 CHANCE = 0.5
 TRANSFORMER, STACK = "transformer", "stack"
 PREFERRED = (TRANSFORMER, STACK)  # who takes a tie, in this order
+# Who goes first, in this order, when not clearly behind the best (a paired test).
+WITHIN_NOISE = (STACK, "baseline_hgb_aggregates")
 VAL_FOLDS = 2  # halves of val: one chooses (an epoch, a calibration), the other judges
 # What each metric is called in messages, and whether higher is better.
 METRIC_LABELS = {"roc_auc": "ROC AUC", "pr_auc": "PR AUC", "log_loss": "log loss"}
@@ -136,6 +142,18 @@ def decide(
             metrics,
         )
     order = ranking(passing, metrics, settings.tie_margin)
+    if order[0] != TRANSFORMER:
+        # Within the noise of the best on val, the stack (the transformer and the strong
+        # booster), then the strong booster alone, go first: a rival first by a hair on val
+        # is often last on test (the winner's curse of choosing among close candidates).
+        lead = candidates[order[0]]
+        close = [
+            kind
+            for kind in WITHIN_NOISE
+            if kind in order
+            and not _clearly_better(labels, lead, candidates[kind], "roc_auc", settings.confidence)
+        ]
+        order = [*close, *(kind for kind in order if kind not in close)]
     chosen, passed_over = _on_every_metric(labels, order, candidates, settings)
     return _against_champion(
         labels,

@@ -108,6 +108,26 @@ def test_a_tie_goes_to_the_transformer_then_the_stack() -> None:
     assert wide.kind == "baseline_logreg"
 
 
+def test_the_stack_then_the_strong_booster_serve_unless_a_rival_is_clearly_ahead() -> None:
+    """A baseline ahead of the stack by noise on val does not serve; one clearly ahead does."""
+    labels, signal = val_split(n=1500)
+    stack = noisier(signal, 0.8, 1)
+    hair = noisier(signal, 0.8, 3)  # as good a model, ahead by its draw of val noise
+    assert roc_auc_score(labels, hair) - roc_auc_score(labels, stack) > SETTINGS.tie_margin
+    assert M.paired_roc_auc_difference(labels, stack, hair)[1] > 0
+    close = {"transformer": noisier(signal, 3.0, 2), "stack": stack, "baseline_hgb": hair}
+    assert decide(labels, close, None, SETTINGS).kind == "stack"
+    clear = {**close, "baseline_hgb": stack + 0.6 * labels}
+    assert decide(labels, clear, None, SETTINGS).kind == "baseline_hgb"
+    # Without the stack, the strong booster goes first the same way.
+    booster = {
+        "transformer": close["transformer"],
+        "baseline_hgb_aggregates": stack,
+        "baseline_hgb": hair,
+    }
+    assert decide(labels, booster, None, SETTINGS).kind == "baseline_hgb_aggregates"
+
+
 def test_ranking_moves_the_preferred_kinds_ahead_of_what_they_tie_with() -> None:
     metrics = {
         "baseline_a": {"roc_auc": 0.800},
@@ -355,6 +375,8 @@ def test_a_150_journey_log_trains_to_a_real_model(
         ],
     )
     result = train_quietly(config, monkeypatch)
+    # Hundreds of steps, not twelve (early stopping may end it before the floor's 600).
+    assert result.metrics["optimizer_steps"] >= 300
     # 12 optimiser steps (one batch an epoch, the old rule) gave 0.47 on test here.
     assert result.metrics["best_val_roc_auc"] > 0.7
     assert result.metrics["test_roc_auc"] > 0.7
