@@ -195,8 +195,11 @@ def _weighted_average_precision(
     hits = np.cumsum(w * labels[order], axis=1)[:, ends]
     seen = np.cumsum(w, axis=1)[:, ends]
     gained = np.diff(hits, axis=1, prepend=0.0)
+    # A resample that drew none of the top examples has seen nothing at the first cut:
+    # precision there is 0 (it gains nothing), not 0 / 0.
+    precision = np.divide(hits, seen, out=np.zeros_like(hits), where=seen > 0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return (gained * (hits / seen)).sum(axis=1) / hits[:, -1]
+        return (gained * precision).sum(axis=1) / hits[:, -1]
 
 
 def paired_log_loss_difference(

@@ -29,7 +29,9 @@ fitted on train alone. The transformer's checkpoint is the epoch with the best v
 so the figure judged is cross-fitted (`cross_fitted_logits`): each half of val is scored by
 the epoch the other half picked, and an epoch-0 fluke on one half does not survive the
 other. Calibration fitted on val (the transformer's temperature, the stack's Platt
-scaling) is cross-fitted the same way (`cross_fitted_calibration`).
+scaling) are chosen and fitted on one half for the other the same way (`cross_fit`). The
+chosen candidate then meets the champion with what it serves, fitted on all of val, as
+the champion's scores are what the champion serves.
 
 The test split never takes part: its metrics are reported, so they still measure
 something. (MLflow's model validation refuses a candidate below a baseline's thresholds;
@@ -100,19 +102,22 @@ def decide(
     candidates: dict[str, np.ndarray],
     champion: np.ndarray | float | None,
     settings: Promotion,
+    served: dict[str, np.ndarray] | None = None,
 ) -> Decision:
     """The decision on the val split: `labels`, each candidate's honest val probabilities
     (`candidates[kind]`, the transformer first), and `champion`: the current champion's
     scores on the same journeys, its logged val ROC AUC when it could not score them, or
-    None when there is none yet. See the module docstring for the checks."""
+    None when there is none yet. The chosen candidate meets the champion with what it
+    serves on val (`served[kind]`, fitted on all of val, as the champion's scores are what
+    it serves; default: its honest figures). See the module docstring for the checks."""
+    served = served or {}
     labels = np.asarray(labels).astype(bool)
     conversions, n = int(labels.sum()), labels.size
     if not settings.guard:  # plumbing and demos: the transformer, against the champion only
         metrics = {kind: _metrics(labels, scores) for kind, scores in candidates.items()}
         why = f"{TRANSFORMER} serves (promotion.guard off)"
-        return _against_champion(
-            labels, TRANSFORMER, candidates[TRANSFORMER], champion, metrics, why
-        )
+        scores = served.get(TRANSFORMER, candidates[TRANSFORMER])
+        return _against_champion(labels, TRANSFORMER, scores, champion, metrics, why)
     if conversions < settings.min_val_conversions or conversions == n:
         return Decision(
             False,
@@ -138,7 +143,7 @@ def decide(
             f"learned to rank these journeys, {_champion_stays(champion)}",
             "check the labels and the split (the ingest report: a conversion event that "
             "does not mean conversion, a split whose val differs from train)",
-            best,
+            TRANSFORMER,  # what is registered (never aliased): the run's own model
             metrics,
         )
     order = ranking(passing, metrics, settings.tie_margin)
@@ -158,7 +163,7 @@ def decide(
     return _against_champion(
         labels,
         chosen,
-        candidates[chosen],
+        served.get(chosen, candidates[chosen]),
         champion,
         metrics,
         _why(chosen, order, metrics, passed_over),
@@ -269,8 +274,9 @@ def _against_champion(
     metrics: dict[str, dict[str, float]],
     why: str,
 ) -> Decision:
-    """The last check: ahead of the champion on the same val journeys (or its logged AUC)."""
-    auc = metrics[kind]["roc_auc"]
+    """The last check: `scores` (what `kind` serves on val) ahead of the champion's on the
+    same val journeys (or its logged AUC)."""
+    auc = _auc(labels, np.asarray(scores))
     if champion is None:
         return Decision(True, "first_champion", f"first champion: {why.strip()}", "", kind, metrics)
     best = float(champion) if np.ndim(champion) == 0 else _auc(labels, np.asarray(champion))
@@ -337,31 +343,32 @@ def val_folds(labels: np.ndarray, seed: int) -> np.ndarray:
     return folds
 
 
+def best_epoch(history: np.ndarray, labels: np.ndarray, rows: np.ndarray) -> int:
+    """The epoch of `history` ([epochs, journeys] val logits) with the best ROC AUC on
+    `rows` (a mask of val journeys)."""
+    labels = np.asarray(labels).astype(bool)
+    aucs = [_auc(labels[rows], epoch[rows]) for epoch in np.atleast_2d(history)]
+    return int(np.argmax([_finite(a) for a in aucs]))
+
+
+FoldModel = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def cross_fit(labels: np.ndarray, folds: np.ndarray, fit_predict: FoldModel) -> np.ndarray:
+    """Each val journey's figure from what was chosen and fitted on the *other* folds:
+    `fit_predict(fit_rows, held_rows)` chooses (an epoch) and fits (a temperature, a
+    blend's calibration) on `fit_rows` alone and returns its values for `held_rows`."""
+    out = np.empty(np.asarray(labels).size)
+    for fold in range(VAL_FOLDS):
+        held = folds == fold
+        out[held] = fit_predict(~held, held)
+    return out
+
+
 def cross_fitted_logits(history: np.ndarray, labels: np.ndarray, folds: np.ndarray) -> np.ndarray:
     """Each val journey's logit from the epoch the *other* folds chose (the best ROC AUC
     there): `history` is [epochs, journeys], every validated epoch's val logits."""
     history = np.atleast_2d(np.asarray(history, dtype=np.float64))
-    labels = np.asarray(labels).astype(bool)
-    out = np.empty(labels.size)
-    for fold in range(VAL_FOLDS):
-        held, chooses = folds == fold, folds != fold
-        aucs = [_auc(labels[chooses], epoch[chooses]) for epoch in history]
-        epoch = int(np.argmax([_finite(a) for a in aucs]))
-        out[held] = history[epoch, held]
-    return out
-
-
-Calibrator = Callable[[np.ndarray, np.ndarray], Callable[[np.ndarray], np.ndarray]]
-
-
-def cross_fitted_calibration(
-    scores: np.ndarray, labels: np.ndarray, folds: np.ndarray, fit: Calibrator
-) -> np.ndarray:
-    """Probabilities for `scores` from a calibration (`fit(scores, labels)` returns the
-    map) fitted on the other folds: what val-fitted calibration looks like on new data."""
-    scores, labels = np.asarray(scores), np.asarray(labels)
-    out = np.empty(scores.size)
-    for fold in range(VAL_FOLDS):
-        held = folds == fold
-        out[held] = fit(scores[~held], labels[~held])(scores[held])
-    return out
+    return cross_fit(
+        labels, folds, lambda fit, held: history[best_epoch(history, labels, fit), held]
+    )

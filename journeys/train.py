@@ -554,6 +554,7 @@ class Candidates:
     the transformer)."""
 
     val: pl.DataFrame
+    served_val: dict[str, np.ndarray]  # what each serves on val, fitted on all of it
     test_labels: np.ndarray
     test: dict[str, np.ndarray]
     heads: dict[str, Stack | Baseline | None]
@@ -602,8 +603,9 @@ def candidates_beside(
     baselines: dict[str, BaselineRun],
 ) -> Candidates:
     """The transformer, the stack (`train.stack`, journey-level models) and each baseline,
-    with honest val probabilities (`journeys.promotion`): the transformer's checkpoint and
-    temperature, and the stack's calibration, are cross-fitted on val."""
+    with honest val probabilities (`journeys.promotion`): the transformer's epoch and
+    temperature, and the stack's calibration, are chosen and fitted on one half of val for
+    the other."""
     from journeys import promotion
     from journeys.baselines import BaselineSettings, fit_baseline
     from journeys.stacking import blended, fit_stack, logit, platt
@@ -611,23 +613,19 @@ def candidates_beside(
     val, test = splits["val"], splits["test"]
     labels = val.get_column("label").to_numpy().astype(np.int64)
     folds = promotion.val_folds(labels, config.train.seed)
-    history = [h.numpy() for h in fitted.module.val_history]
-    honest = promotion.cross_fitted_logits(
-        np.stack(history) if history else evaluation.val_logits[None], labels, folds
-    )
+    history = np.stack([h.numpy() for h in fitted.module.val_history] or [evaluation.val_logits])
 
-    def temperature(scores: np.ndarray, y: np.ndarray) -> Any:
-        fitted_t = M.fit_temperature(scores, y)
-        return lambda x: M.sigmoid(x, fitted_t)
+    def transformer_fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
+        # The epoch and the temperature chosen on the other half, applied to this one.
+        epoch = history[promotion.best_epoch(history, labels, fit)]
+        return M.sigmoid(epoch[held], M.fit_temperature(epoch[fit], labels[fit]))
 
-    def platt_scaling(scores: np.ndarray, y: np.ndarray) -> Any:
-        slope, intercept = platt(scores, y)
-        return lambda x: M.sigmoid(slope * x + intercept)
-
-    transformer_val = promotion.cross_fitted_calibration(honest, labels, folds, temperature)
-    test_labels = test.get_column("label").to_numpy().astype(np.int64)
-    val_columns = {"transformer": transformer_val}
+    val_columns = {"transformer": promotion.cross_fit(labels, folds, transformer_fold)}
+    # What each candidate serves on val (fitted on all of it): the champion is compared
+    # with that, as the champion's own scores are what it serves.
+    served_val = {"transformer": M.sigmoid(evaluation.val_logits, evaluation.temperature)}
     test_scores = {"transformer": M.sigmoid(evaluation.test_logits, evaluation.temperature)}
+    test_labels = test.get_column("label").to_numpy().astype(np.int64)
     heads: dict[str, Stack | Baseline | None] = {"transformer": None}
     models = {name: run.model for name, run in baselines.items()}
     if config.train.stack and not config.model.causal:
@@ -638,18 +636,29 @@ def candidates_beside(
         print("stack: the transformer blended with gradient boosting on journey aggregates")
         stack = fit_stack(booster, val, evaluation.val_logits, evaluation.temperature)
         booster_val = logit(booster.predict_proba(val))
-        val_columns["stack"] = promotion.cross_fitted_calibration(
-            blended(logit(transformer_val), booster_val), labels, folds, platt_scaling
-        )
+
+        def stack_fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
+            # Epoch, temperature and Platt scaling all chosen on the other half.
+            epoch = history[promotion.best_epoch(history, labels, fit)]
+            temperature = M.fit_temperature(epoch[fit], labels[fit])
+
+            def mixed(rows: np.ndarray) -> np.ndarray:
+                return blended(epoch[rows] / temperature, booster_val[rows])
+
+            slope, intercept = platt(mixed(fit), labels[fit])
+            return M.sigmoid(slope * mixed(held) + intercept)
+
+        val_columns["stack"] = promotion.cross_fit(labels, folds, stack_fold)
+        served_val["stack"] = M.sigmoid(stack.combine(evaluation.val_logits, val))
         test_scores["stack"] = M.sigmoid(stack.combine(evaluation.test_logits, test))
         heads["stack"] = stack
     for name, run in baselines.items():
         kind = f"baseline_{name}"
-        val_columns[kind] = run.val_scores
+        val_columns[kind] = served_val[kind] = run.val_scores  # fitted on train: honest
         test_scores[kind] = run.test_scores
         heads[kind] = models[name]
     frame = val.select("journey_id", "label", *(pl.Series(k, v) for k, v in val_columns.items()))
-    return Candidates(frame, test_labels, test_scores, heads)
+    return Candidates(frame, served_val, test_labels, test_scores, heads)
 
 
 def choose(config: Config, uri: str, candidates: Candidates, val: pl.DataFrame) -> Decision:
@@ -661,6 +670,7 @@ def choose(config: Config, uri: str, candidates: Candidates, val: pl.DataFrame) 
         candidates.val_probabilities(),
         champion_val_scores(config, uri, val),
         config.promotion,
+        served=candidates.served_val,
     )
 
 

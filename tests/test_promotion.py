@@ -19,7 +19,7 @@ from journeys import tracking
 from journeys.config import Promotion, load_config
 from journeys.errors import ConfigError, InputError
 from journeys.promotion import (
-    cross_fitted_calibration,
+    cross_fit,
     cross_fitted_logits,
     decide,
     ranking,
@@ -255,19 +255,31 @@ def test_an_epoch_chosen_on_val_is_judged_on_the_half_that_did_not_choose_it() -
     np.testing.assert_array_equal(fitted, learning[-1])
 
 
-def test_cross_fitted_calibration_never_sees_the_journeys_it_calibrates() -> None:
-    labels, signal = val_split()
+def test_what_is_judged_on_one_half_is_chosen_and_fitted_on_the_other() -> None:
+    labels, _ = val_split()
     folds = val_folds(labels, seed=1)
     seen = []
 
-    def fit(scores: np.ndarray, y: np.ndarray):
-        seen.append(scores.size)
-        return lambda x: np.full(x.size, y.mean())  # the other half's base rate
+    def fit_predict(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
+        assert not (fit & held).any()
+        seen.append(int(fit.sum()))
+        return np.full(int(held.sum()), labels[fit].mean())  # the other half's base rate
 
-    out = cross_fitted_calibration(signal, labels, folds, fit)
+    out = cross_fit(labels, folds, fit_predict)
     assert seen == [int((folds != 0).sum()), int((folds != 1).sum())]
     for fold in (0, 1):
         assert np.allclose(out[folds == fold], labels[folds != fold].mean())
+
+
+def test_the_pr_auc_bootstrap_keeps_every_resample() -> None:
+    """A resample that drew none of the top-scored examples still has an AP (precision 0
+    where nothing was seen), so the spread is not estimated from the lucky resamples only."""
+    from journeys.metrics import _weighted_average_precision
+
+    labels, signal = val_split(n=500)
+    weights = np.random.default_rng(0).poisson(1.0, size=(200, labels.size))
+    values = _weighted_average_precision(labels.astype(float), signal, weights)
+    assert np.isfinite(values).all()
 
 
 # ----------------------------------------------------------------------------- in training
