@@ -237,9 +237,10 @@ def test_pipeline_writes_markdown_artifacts(pipeline_runs) -> None:
         )
     keys = {a.key for a in artifacts}
     assert {"journeys-pipeline", "journeys-ingest", "journeys-train", "journeys-score"} <= keys
-    pipeline = next(a for a in artifacts if a.key == "journeys-pipeline")
     # Every candidate's row, the one the registry serves marked (the guard is off here).
-    assert "| transformer (served) |" in pipeline.data and "| baseline_logreg |" in pipeline.data
+    # (Other tests' pipelines write theirs to the same session API.)
+    pipelines = [a.data for a in artifacts if a.key == "journeys-pipeline"]
+    assert any("| transformer (served) |" in d and "| baseline_logreg |" in d for d in pipelines)
 
 
 def test_unchanged_input_is_a_cache_hit(pipeline_runs) -> None:
