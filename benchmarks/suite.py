@@ -33,13 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.faithfulness import deletion_table  # noqa: E402
 from benchmarks.recording import machine, record_section  # noqa: E402
 from benchmarks.second_generator import bayes_roc_auc, generate  # noqa: E402
 
@@ -52,6 +52,7 @@ CAN_TELL = 100
 # The defaults, and each candidate default as an override on top of them.
 VARIANTS = {
     "defaults": [],
+    "stack_off": ["train.stack=false"],  # the default before 2026-12-06
     "periodic": ["model.continuous_encoding=periodic"],
     "floor600": ["train.step_floor=600"],
     "periodic+floor600": ["model.continuous_encoding=periodic", "train.step_floor=600"],
@@ -113,6 +114,7 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
     from journeys.ingest import ingest
     from journeys.tracking import tracking_uri, training_summary
     from journeys.train import train_command
+    from journeys.trained_model import load_model
 
     work = WORK / log.name
     shutil.rmtree(work, ignore_errors=True)
@@ -171,33 +173,56 @@ def run_log(log: Log, variants: dict[str, list[str]]) -> list[dict]:
             "champion": training_summary(
                 tracking_uri(config), result.run_id, config.mlflow.registered_model
             )["champion_check"],
-            "deletion": attention_deletion(result.model_uri, config, test),
+        }
+        trained = load_model(result.model_uri, tracking_uri(config))
+        ordered = test.sort("journey_id")
+        by_journey = attention_deletion(trained, ordered)
+        row |= {
+            "test_labels": ordered.get_column("label").to_numpy(),
+            "served_p": trained.predict_proba(ordered),
+            "deletion_by_journey": by_journey,
+            "deletion": (float(by_journey["top"].mean()), float(by_journey["random"].mean())),
         }
         rows.append(row)
     return rows
 
 
-def attention_deletion(model_uri: str, config, test: pl.DataFrame) -> tuple[float, float]:
-    """Mean drop in the transformer's logit when each test journey loses its most-attended
-    event, and when it loses a random one (whatever candidate the registered model serves:
-    the attention is the transformer's, judged against its own logit)."""
+def attention_deletion(trained, test: pl.DataFrame) -> pl.DataFrame:
+    """Per test journey (a sample of those with 2+ events): the drop in the transformer's
+    logit when it loses its most-attended event (`top`) and, averaged over
+    `RANDOM_REPEATS` draws, a random one (`random`). The attention is the transformer's,
+    judged against its own logit, whatever candidate the registered model serves."""
+    from benchmarks.faithfulness import RANDOM_REPEATS, delete_events, random_k, top_k
     from journeys.score import score_frame
-    from journeys.tracking import tracking_uri
-    from journeys.trained_model import load_model
 
-    trained = load_model(model_uri, tracking_uri(config))
     frame = test.filter(pl.col("event_type").list.len() > 1)
     if frame.height > DELETION_SAMPLE:
         frame = frame.sample(DELETION_SAMPLE, seed=0)
     if frame.height == 0:
-        return float("nan"), float("nan")
+        return pl.DataFrame(
+            schema={"journey_id": pl.String, "top": pl.Float64, "random": pl.Float64}
+        )
     scored = score_frame(trained, frame, attention="pooled")
-    weights = scored.select("journey_id", pooled="attention")
     # score_frame cut the lists to the events the model read: delete among those.
     lists = ["event_type", "event_time", *trained.encoder.event_columns]
-    cut = frame.with_columns(scored.select(lists).get_columns())
-    table = deletion_table(trained, cut, weights, (1,), methods=("pooled",), on="logit")
-    return float(table.get_column("top_k_drop")[0]), float(table.get_column("random_drop")[0])
+    cut = frame.select("journey_id", "user_id").with_columns(scored.select(lists).get_columns())
+
+    def drops(deleted: pl.DataFrame) -> np.ndarray:
+        after = deleted.join(cut.select("journey_id", "user_id"), on="journey_id")
+        order = cut.select("journey_id").join(after, on="journey_id", maintain_order="left")
+        return base - trained.predict_logits(order)
+
+    base = trained.predict_logits(cut)
+    weights = scored.select("journey_id", pooled="attention")
+    top = drops(delete_events(cut, top_k(weights, "pooled", 1), lists))
+    random = np.mean(
+        [
+            drops(delete_events(cut, random_k(cut, 1, seed), lists))
+            for seed in range(RANDOM_REPEATS)
+        ],
+        axis=0,
+    )
+    return pl.DataFrame({"journey_id": cut["journey_id"], "top": top, "random": random})
 
 
 def deletion_ratio(top: float, random: float) -> str:
@@ -205,9 +230,51 @@ def deletion_ratio(top: float, random: float) -> str:
     (a negative drop) while the top one lowers it, the ratio is unbounded: said so."""
     if math.isnan(top) or math.isnan(random):
         return ""
-    if random <= 0 < top:
+    if top <= 0:
+        return "none: the top event raises it"
+    if random <= 0:
         return "inf (random raises it)"
     return f"{top / random:.2f}x"
+
+
+def against_defaults(rows: list[dict]) -> list[dict]:
+    """Each variant's change from the defaults on the same log, with 95% paired intervals:
+    the served test ROC AUC (DeLong, on the same test journeys) and attention's deletion
+    effect (the per-journey top drop less the random drop, on the same journeys)."""
+    from journeys.metrics import paired_roc_auc_difference
+
+    out = []
+    defaults = {
+        row["log"]: row for row in rows if row["variant"] == "defaults" and "served_p" in row
+    }
+    for row in rows:
+        base = defaults.get(row["log"])
+        if row["variant"] == "defaults" or base is None or "served_p" not in row:
+            continue
+        labels = row["test_labels"]
+        difference, upper = paired_roc_auc_difference(
+            labels, row["served_p"], base["served_p"], 0.975
+        )
+        low = difference - (upper - difference)  # two-sided 95%: one-sided 97.5% each way
+        effect = row["deletion_by_journey"].join(base["deletion_by_journey"], on="journey_id")
+        change = (
+            (effect["top"] - effect["random"]) - (effect["top_right"] - effect["random_right"])
+        ).to_numpy()
+        half = 1.96 * change.std(ddof=1) / math.sqrt(change.size) if change.size > 1 else math.nan
+        out.append(
+            {
+                "log": row["log"],
+                "variant": row["variant"],
+                "tells": row["conversions"] >= CAN_TELL,
+                "auc": (difference, low, upper),
+                "attention": (
+                    float(change.mean()),
+                    float(change.mean() - half),
+                    float(change.mean() + half),
+                ),
+            }
+        )
+    return out
 
 
 def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float) -> str:
@@ -247,8 +314,51 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
             f"{row['deletion'][1]:.3f} ({deletion_ratio(*row['deletion'])}) "
             f"| {row['champion']} | {row['seconds']:.0f} |"
         )
+    lines += ["", *changes_markdown(against_defaults(rows))]
     lines += ["", *(f"- Not in this run: {line}." for line in skipped), ""]
     return "\n".join(lines)
+
+
+def changes_markdown(changes: list[dict]) -> list[str]:
+    """The rule a default changes by: each variant against the defaults, per log, and the
+    verdict over the logs that can tell."""
+    if not changes:
+        return []
+
+    def cell(low_high: tuple[float, float, float]) -> str:
+        value, low, high = low_high
+        return f"{value:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+    lines = [
+        "Each variant against the defaults, on the same test journeys (variant less "
+        "defaults, 95% paired intervals): the served test ROC AUC, and attention's deletion "
+        "effect (per journey, the top event's logit drop less a random event's).",
+        "",
+        "| variant | log | can tell | served ROC AUC | attention deletion effect |",
+        "|---|---|---|---|---|",
+    ]
+    for change in changes:
+        tells = "yes" if change["tells"] else "no"
+        lines.append(
+            f"| {change['variant']} | {change['log']} | {tells} | {cell(change['auc'])} "
+            f"| {cell(change['attention'])} |"
+        )
+    lines += ["", "| variant | mean served ROC AUC change (logs that can tell) | worse beyond "
+              "the interval (AUC / attention) | better on average, no worse anywhere |",
+              "|---|---|---|---|"]  # fmt: skip
+    for variant in dict.fromkeys(change["variant"] for change in changes):
+        telling = [c for c in changes if c["variant"] == variant and c["tells"]]
+        if not telling:
+            continue
+        mean = float(np.mean([c["auc"][0] for c in telling]))
+        worse_auc = [c["log"] for c in telling if c["auc"][2] < 0]
+        worse_attention = [c["log"] for c in telling if c["attention"][2] < 0]
+        verdict = "yes" if mean > 0 and not worse_auc and not worse_attention else "no"
+        lines.append(
+            f"| {variant} | {mean:+.4f} | {', '.join(worse_auc) or 'none'} / "
+            f"{', '.join(worse_attention) or 'none'} | {verdict} |"
+        )
+    return lines
 
 
 def main() -> None:

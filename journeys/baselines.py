@@ -51,12 +51,15 @@ MAX_CATEGORIES = 254
 
 @dataclass(frozen=True)
 class BaselineResult:
+    """A baseline's run: its test metrics, its probabilities on the val and test journeys
+    (in their order) and the fitted model, a candidate for the champion."""
+
     name: str
     run_id: str | None
     metrics: dict[str, float]  # test_* and val_roc_auc
-    probs: np.ndarray  # on the test journeys, in their order
-    val_probs: np.ndarray  # on the val journeys, in their order: what promotion compares
-    model: Baseline  # fitted on train: a candidate for the champion
+    test_scores: np.ndarray
+    val_scores: np.ndarray
+    model: Baseline
 
 
 # ----------------------------------------------------------------------------- features

@@ -436,9 +436,16 @@ class EpochLines(Callback):
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.validated = False
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.global_rank != 0:
+        self.validated = not trainer.sanity_checking
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Here, not after validation (which runs inside the epoch): the epoch's train_loss
+        # is reduced by now.
+        validated, self.validated = self.validated, False
+        if not validated or trainer.global_rank != 0:
             return
         metrics = trainer.callback_metrics
         shown = ", ".join(

@@ -57,6 +57,8 @@ from journeys.metrics import (
 )
 
 CHANCE = 0.5
+# The kinds of candidate with names of their own (the baselines are `baseline_<name>`):
+# what a registered model serves (`TrainedModel.kind`).
 TRANSFORMER, STACK = "transformer", "stack"
 PREFERRED = (TRANSFORMER, STACK)  # who takes a tie, in this order
 # Who goes first, in this order, when not clearly behind the best (a paired test).
@@ -159,7 +161,7 @@ def decide(
             and not _clearly_better(labels, lead, candidates[kind], "roc_auc", settings.confidence)
         ]
         order = [*close, *(kind for kind in order if kind not in close)]
-    chosen, passed_over = _on_every_metric(labels, order, candidates, settings)
+    chosen, passed_over = _on_every_metric(labels, order, candidates, metrics, settings)
     return _against_champion(
         labels,
         chosen,
@@ -190,7 +192,11 @@ def ranking(kinds: list[str], metrics: dict[str, dict[str, float]], tie_margin: 
 
 
 def _on_every_metric(
-    labels: np.ndarray, order: list[str], candidates: dict[str, np.ndarray], settings: Promotion
+    labels: np.ndarray,
+    order: list[str],
+    candidates: dict[str, np.ndarray],
+    metrics: dict[str, dict[str, float]],
+    settings: Promotion,
 ) -> tuple[str, list[str]]:
     """The first candidate of `order` that no rival beats clearly on another metric of
     `promotion.metrics` (a rival that is itself clearly behind on ROC AUC does not count);
@@ -215,7 +221,7 @@ def _on_every_metric(
                         candidates[kind],
                         m,
                         settings.confidence,
-                        settings.metric_tolerance,
+                        settings.metric_tolerance * metrics[rival][m],
                     )
                 ),
                 None,
@@ -236,20 +242,17 @@ def _clearly_better(
     second: np.ndarray,
     metric: str,
     confidence: float,
-    tolerance: float = 0.0,
+    margin: float = 0.0,
 ) -> bool:
     """Whether `first` is ahead of `second` on `metric` beyond doubt (one-sided, paired)
-    and by more than `tolerance` of `first`'s own figure."""
+    and by more than `margin`."""
     if metric == "roc_auc":
         difference, upper = paired_roc_auc_difference(labels, second, first, confidence)
-        size = tolerance * _finite(_auc(labels, first))
     elif metric == "pr_auc":
         difference, upper = paired_average_precision_difference(labels, second, first, confidence)
-        size = tolerance * _metrics(labels, first)["pr_auc"]
     else:  # log loss: lower is better
         difference, upper = paired_log_loss_difference(labels, first, second, confidence)
-        size = tolerance * _metrics(labels, first)["log_loss"]
-    return bool(upper < 0 and -difference > size)
+    return bool(upper < 0 and -difference > margin)
 
 
 def _why(

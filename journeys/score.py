@@ -769,10 +769,14 @@ def score_command(
         raise InputError(
             f"model {uri} not found: no MLflow store at {redact_uri(store)} (train first)"
         )
-    if model_uri is None and champion_version(store, config.mlflow.registered_model) is None:
-        raise no_champion(store, config.mlflow.registered_model)  # the guard's decision, its fix
     moment = parse_as_of(as_of, config.data.timezone)
-    trained = load_model(uri, tracking_uri=store)
+    try:
+        trained = load_model(uri, tracking_uri=store)
+    except InputError:
+        name = config.mlflow.registered_model
+        if model_uri is None and champion_version(store, name) is None:
+            raise no_champion(store, name) from None  # the guard's decision and its fix
+        raise
     source = str(input_path or config.paths.journeys)
     out = Path(out or config.paths.scores)
     attention = config.score.attention

@@ -54,12 +54,12 @@ class Stack:
 
     def combine(self, transformer_logits: np.ndarray, frame: pl.DataFrame) -> np.ndarray:
         """The stacked logits of `frame`'s journeys, given the transformer's (uncalibrated)."""
-        booster = self.booster_logits(frame)
-        return (
-            self.weights[0] * np.asarray(transformer_logits)
-            + self.weights[1] * booster
-            + (self.intercept)
-        )
+        return self.blend(transformer_logits, self.booster_logits(frame))
+
+    def blend(self, transformer_logits: np.ndarray, booster_logits: np.ndarray) -> np.ndarray:
+        """The stacked logits from both models' (the transformer's uncalibrated)."""
+        transformer = self.weights[0] * np.asarray(transformer_logits)
+        return transformer + self.weights[1] * np.asarray(booster_logits) + self.intercept
 
     def blend_state(self) -> dict[str, Any]:
         return {"weights": list(self.weights), "intercept": self.intercept}
@@ -92,14 +92,15 @@ def platt(scores: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
 
 def fit_stack(
     baseline: HgbAggregates,
-    val: pl.DataFrame,
+    labels: np.ndarray,
     transformer_val: np.ndarray,
+    booster_val: np.ndarray,
     temperature: float,
 ) -> Stack:
-    """The stack of `baseline` (fitted on train) and the transformer whose uncalibrated
-    logits on the `val` journeys (in the frame's order) are `transformer_val`."""
-    labels = val.get_column("label").to_numpy().astype(np.int64)
-    booster = logit(baseline.predict_proba(val))
-    slope, intercept = platt(blended(np.asarray(transformer_val) / temperature, booster), labels)
+    """The stack of `baseline` (fitted on train) and the transformer, from both models'
+    logits on the val journeys (`transformer_val` uncalibrated, `booster_val` the
+    baseline's) and their `labels`."""
+    mixed = blended(np.asarray(transformer_val) / temperature, booster_val)
+    slope, intercept = platt(mixed, np.asarray(labels).astype(np.int64))
     share = TRANSFORMER_SHARE
     return Stack(baseline, (slope * share / temperature, slope * (1 - share)), intercept)

@@ -73,12 +73,12 @@ from journeys.lightning_parts import (
     min_epoch_journeys,
     step_schedule,
 )
-from journeys.promotion import Decision, decide
+from journeys.promotion import STACK, TRANSFORMER, Decision, decide
 from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_model
 from journeys.vocab import Vocabularies
 
 if TYPE_CHECKING:
-    from journeys.baselines import Baseline
+    from journeys.baselines import Baseline, BaselineResult
     from journeys.config import Config, Train
     from journeys.stacking import Stack
     from journeys.tracking import Registration, TrackedRun
@@ -104,8 +104,8 @@ class TrainResult:
     champion_version: int | None
     promoted: bool
     checkpoint: str
-    baselines: dict[str, BaselineRun] = field(default_factory=dict)
-    model_kind: str = "transformer"  # the candidate the registered version serves
+    baselines: dict[str, BaselineResult] = field(default_factory=dict)
+    model_kind: str = TRANSFORMER  # the candidate the registered version serves
     # journey_id, label, probability (uncalibrated) on the test split, from the in-memory
     # transformer
     test_predictions: pl.DataFrame | None = None
@@ -493,18 +493,6 @@ def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, flo
 # ----------------------------------------------------------------------------- 4. baselines
 
 
-@dataclass
-class BaselineRun:
-    """A baseline's run: its test metrics, its probabilities on val and test (in the data
-    module's order) and the fitted model, a candidate for the champion."""
-
-    run_id: str | None
-    metrics: dict[str, float]
-    val_scores: np.ndarray
-    test_scores: np.ndarray
-    model: Baseline
-
-
 def in_data_module_order(journeys: pl.DataFrame, fitted: Fitted) -> dict[str, pl.DataFrame]:
     """The labelled journeys of each split, in the data module's order (that of the
     transformer's logits): every candidate is scored on the same rows in the same order."""
@@ -518,7 +506,7 @@ def in_data_module_order(journeys: pl.DataFrame, fitted: Fitted) -> dict[str, pl
 
 def run_baselines_beside(
     run: TrackedRun, config: Config, splits: dict[str, pl.DataFrame]
-) -> dict[str, BaselineRun]:
+) -> dict[str, BaselineResult]:
     """The configured baselines, fitted on the train journeys and logged in the same
     experiment, tagged with the transformer run's id (their comparison group)."""
     from journeys.baselines import run_baselines
@@ -537,9 +525,7 @@ def run_baselines_beside(
                 tags=group,
             )
     run.set_tags(group)
-    return {
-        r.name: BaselineRun(r.run_id, r.metrics, r.val_probs, r.probs, r.model) for r in results
-    }
+    return {result.name: result for result in results}
 
 
 # ----------------------------------------------------------------------------- 5. choose, register
@@ -547,14 +533,15 @@ def run_baselines_beside(
 
 @dataclass
 class Candidates:
-    """Every candidate of the run, on the same val and test journeys (the data module's
-    order): honest val probabilities (`val`: journey_id, label and one column per kind,
-    the transformer first), test probabilities and what the registered model serves for
-    each kind (`journeys.trained_model.TrainedModel`: a stack, a baseline, or nothing for
-    the transformer)."""
+    """Every candidate of the run, by kind (the transformer first), on the same val and
+    test journeys (the data module's order): honest val probabilities (`val`), what each
+    serves on val, fitted on all of it (`served_val`), test probabilities, and what the
+    registered model serves for each kind (`journeys.trained_model.TrainedModel`: a stack,
+    a baseline, or nothing for the transformer)."""
 
-    val: pl.DataFrame
-    served_val: dict[str, np.ndarray]  # what each serves on val, fitted on all of it
+    val_labels: np.ndarray
+    val: dict[str, np.ndarray]
+    served_val: dict[str, np.ndarray]
     test_labels: np.ndarray
     test: dict[str, np.ndarray]
     heads: dict[str, Stack | Baseline | None]
@@ -562,9 +549,6 @@ class Candidates:
     @property
     def kinds(self) -> list[str]:
         return list(self.test)
-
-    def val_probabilities(self) -> dict[str, np.ndarray]:
-        return {kind: self.val.get_column(kind).to_numpy() for kind in self.kinds}
 
     def serving(self, trained: TrainedModel, kind: str) -> TrainedModel:
         """`trained` (the transformer) serving `kind`'s probability."""
@@ -582,8 +566,8 @@ class Candidates:
         """What the run logs of the candidates: the stack's test metrics (`stacked_test_*`)
         and the served model's (`served_test_*`)."""
         out = self.test_metrics(served, "served_test_")
-        if "stack" in self.test:
-            out |= self.test_metrics("stack", "stacked_test_")
+        if STACK in self.test:
+            out |= self.test_metrics(STACK, "stacked_test_")
         return out
 
     def comparison(self, served: str) -> list[tuple[str, dict[str, float]]]:
@@ -600,7 +584,7 @@ def candidates_beside(
     splits: dict[str, pl.DataFrame],
     fitted: Fitted,
     evaluation: Evaluation,
-    baselines: dict[str, BaselineRun],
+    baselines: dict[str, BaselineResult],
 ) -> Candidates:
     """The transformer, the stack (`train.stack`, journey-level models) and each baseline,
     with honest val probabilities (`journeys.promotion`): the transformer's epoch and
@@ -620,22 +604,31 @@ def candidates_beside(
         epoch = history[promotion.best_epoch(history, labels, fit)]
         return M.sigmoid(epoch[held], M.fit_temperature(epoch[fit], labels[fit]))
 
-    val_columns = {"transformer": promotion.cross_fit(labels, folds, transformer_fold)}
+    val_columns = {TRANSFORMER: promotion.cross_fit(labels, folds, transformer_fold)}
     # What each candidate serves on val (fitted on all of it): the champion is compared
     # with that, as the champion's own scores are what it serves.
-    served_val = {"transformer": M.sigmoid(evaluation.val_logits, evaluation.temperature)}
-    test_scores = {"transformer": M.sigmoid(evaluation.test_logits, evaluation.temperature)}
+    served_val = {TRANSFORMER: M.sigmoid(evaluation.val_logits, evaluation.temperature)}
+    test_scores = {TRANSFORMER: M.sigmoid(evaluation.test_logits, evaluation.temperature)}
     test_labels = test.get_column("label").to_numpy().astype(np.int64)
-    heads: dict[str, Stack | Baseline | None] = {"transformer": None}
+    heads: dict[str, Stack | Baseline | None] = {TRANSFORMER: None}
     models = {name: run.model for name, run in baselines.items()}
     if config.train.stack and not config.model.causal:
-        booster = models.get("hgb_aggregates")
-        if booster is None:  # the stack's booster, when the run has no such baseline
+        if "hgb_aggregates" in baselines:  # its run scored val and test already
+            run = baselines["hgb_aggregates"]
+            booster, booster_val, booster_test = run.model, run.val_scores, run.test_scores
+        else:  # the stack's booster, when the run has no such baseline
             settings = BaselineSettings.from_config(config)
             booster = fit_baseline("hgb_aggregates", splits["train"], settings)
+            booster_val, booster_test = booster.predict_proba(val), booster.predict_proba(test)
+        booster_val, booster_test = logit(booster_val), logit(booster_test)
         print("stack: the transformer blended with gradient boosting on journey aggregates")
-        stack = fit_stack(booster, val, evaluation.val_logits, evaluation.temperature)
-        booster_val = logit(booster.predict_proba(val))
+        stack = fit_stack(
+            booster,  # type: ignore[arg-type]
+            labels,
+            evaluation.val_logits,
+            booster_val,
+            evaluation.temperature,
+        )
 
         def stack_fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
             # Epoch, temperature and Platt scaling all chosen on the other half.
@@ -648,17 +641,16 @@ def candidates_beside(
             slope, intercept = platt(mixed(fit), labels[fit])
             return M.sigmoid(slope * mixed(held) + intercept)
 
-        val_columns["stack"] = promotion.cross_fit(labels, folds, stack_fold)
-        served_val["stack"] = M.sigmoid(stack.combine(evaluation.val_logits, val))
-        test_scores["stack"] = M.sigmoid(stack.combine(evaluation.test_logits, test))
-        heads["stack"] = stack
+        val_columns[STACK] = promotion.cross_fit(labels, folds, stack_fold)
+        served_val[STACK] = M.sigmoid(stack.blend(evaluation.val_logits, booster_val))
+        test_scores[STACK] = M.sigmoid(stack.blend(evaluation.test_logits, booster_test))
+        heads[STACK] = stack
     for name, run in baselines.items():
         kind = f"baseline_{name}"
         val_columns[kind] = served_val[kind] = run.val_scores  # fitted on train: honest
         test_scores[kind] = run.test_scores
         heads[kind] = models[name]
-    frame = val.select("journey_id", "label", *(pl.Series(k, v) for k, v in val_columns.items()))
-    return Candidates(frame, served_val, test_labels, test_scores, heads)
+    return Candidates(labels, val_columns, served_val, test_labels, test_scores, heads)
 
 
 def choose(config: Config, uri: str, candidates: Candidates, val: pl.DataFrame) -> Decision:
@@ -666,8 +658,8 @@ def choose(config: Config, uri: str, candidates: Candidates, val: pl.DataFrame) 
     `val` journeys alone (`journeys.promotion`): against chance, one another and the
     champion."""
     return decide(
-        candidates.val.get_column("label").to_numpy(),
-        candidates.val_probabilities(),
+        candidates.val_labels,
+        candidates.val,
         champion_val_scores(config, uri, val),
         config.promotion,
         served=candidates.served_val,
@@ -722,7 +714,7 @@ def log_and_register(
 
 
 def flag_baselines_ahead(
-    run: TrackedRun, scores: dict[str, float], baselines: dict[str, BaselineRun]
+    run: TrackedRun, scores: dict[str, float], baselines: dict[str, BaselineResult]
 ) -> list[str]:
     """Say so, on the console and as a run tag, when a baseline beats the transformer alone
     beyond the transformer's 95% interval on test (what is served was chosen on val)."""

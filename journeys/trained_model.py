@@ -49,6 +49,7 @@ import numpy as np
 
 from journeys.config import Config, Data, Journey, parse_duration
 from journeys.errors import ConfigError, InputError, first_line
+from journeys.promotion import STACK, TRANSFORMER
 from journeys.vocab import VOCAB_FILE
 
 if TYPE_CHECKING:
@@ -79,7 +80,6 @@ BOOSTER_TYPES = (
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
     "sklearn.utils.validation.check_array",
 )
-TRANSFORMER = "transformer"  # the kind of a model whose network gives the probability
 # 1: one flat dictionary (up to December 2026); 2: encoder, rules and survival apart.
 FORMAT_VERSION = 2
 MODEL_NAME = "model"  # the artifact name under the run: runs:/<run_id>/model
@@ -214,7 +214,7 @@ class TrainedModel:
     def kind(self) -> str:
         """Which candidate gives the probability: `transformer`, `stack` or `baseline_<name>`."""
         if self.stack is not None:
-            return "stack"
+            return STACK
         if self.baseline is not None:
             return f"baseline_{self.baseline.name}"
         return TRANSFORMER

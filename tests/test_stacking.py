@@ -84,7 +84,9 @@ def stack_of_the_run(config, result, trained):
         BaselineSettings.from_config(config),
     )
     val = journeys.filter(pl.col("split") == "val")
-    return fit_stack(booster, val, trained.predict_logits(val), trained.temperature)
+    booster_val = logit(booster.predict_proba(val))
+    labels = val.get_column("label").to_numpy()
+    return fit_stack(booster, labels, trained.predict_logits(val), booster_val, trained.temperature)
 
 
 def test_attention_stays_the_transformers_and_only_the_probability_changes(stacked) -> None:
@@ -152,7 +154,8 @@ def test_the_blend_takes_what_each_model_knows() -> None:
     transformer = 1.2 * hidden + rng.normal(scale=0.3, size=n)
     train, val, test = frame[:1500], frame[1500:2250], frame[2250:]
     booster = fit_baseline("hgb_aggregates", train, BaselineSettings())
-    stack = fit_stack(booster, val, transformer[1500:2250], temperature=1.0)
+    booster_val = logit(booster.predict_proba(val))
+    stack = fit_stack(booster, val["label"].to_numpy(), transformer[1500:2250], booster_val, 1.0)
     y_test = test.get_column("label").to_numpy()
     stacked = roc_auc_score(y_test, stack.combine(transformer[2250:], test))
     assert stacked > roc_auc_score(y_test, transformer[2250:]) + 0.03
