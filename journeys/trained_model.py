@@ -258,6 +258,8 @@ class TrainedModel:
         logits divided by the fitted temperature (`calibrated`) or as they are."""
         from journeys.metrics import sigmoid
 
+        if frame.height == 0:  # every journey of a chunk kept its earlier score
+            return np.empty(0)  # (scikit-learn refuses to predict on no rows)
         if self.stack is not None:
             return sigmoid(self.stack.combine(logits, frame))
         if self.baseline is not None:

@@ -320,6 +320,40 @@ def test_nightly_scoring_keeps_finished_scores_and_equals_scoring_afresh(tmp_pat
     assert changed.kept == 0 and "model changed" in (changed.why_not_kept or "")
 
 
+def test_a_booster_champion_rescores_a_night_where_every_journey_kept_its_score(
+    tmp_path: Path,
+) -> None:
+    """A chunk whose journeys all keep their earlier scores leaves nothing to predict: a
+    model serving a booster (which refuses to predict on no rows) scores the night anyway,
+    keeping every finished journey and re-scoring only the open ones."""
+    from test_score import save_tiny_model
+
+    from journeys.baselines import BaselineSettings, fit_baseline
+    from journeys.score import score_dataset
+    from journeys.trained_model import load_model
+
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    for file in write_days(event_log(seed=5, users=60, days=20), tmp_path / "all"):
+        shutil.copy2(file, landing / file.name)
+    config = config_for(landing, tmp_path, "journey.max_gap=2d", "journey.max_events=16")
+    run_ingest(config)
+    journeys = tmp_path / "journeys"
+    trained = load_model(
+        str(save_tiny_model(tmp_path / "model", Vocabularies.load(journeys), "journey.max_gap=2d"))
+    )
+    frame = pl.read_parquet(journeys / "*.parquet")
+    trained.baseline = fit_baseline("hgb_aggregates", frame, BaselineSettings())
+    scores = tmp_path / "scores"
+    # One journey a chunk: every finished journey's chunk is empty once its score is kept.
+    first = score_dataset(trained, journeys, scores, chunk_journeys=1, progress=False)
+    again = score_dataset(
+        trained, journeys, scores, chunk_journeys=1, progress=False, as_of=first.as_of
+    )
+    finished = frame.height - first.open
+    assert finished > 0 and again.kept == finished and again.rows == frame.height
+
+
 # ----------------------------------------------------------------------------- the flow
 
 
