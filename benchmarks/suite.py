@@ -56,6 +56,7 @@ VARIANTS = {
     "periodic": ["model.continuous_encoding=periodic"],
     "floor600": ["train.step_floor=600"],
     "periodic+floor600": ["model.continuous_encoding=periodic", "train.step_floor=600"],
+    "wide": ["model.wide=true"],  # journey aggregates beside the sequence (Wide & Deep)
 }
 
 

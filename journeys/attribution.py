@@ -623,12 +623,15 @@ def attribute(
 
 
 def attribute_command(
-    config: Config, scores: str | Path | None = None, out: str | Path | None = None
+    config: Config,
+    scores: str | Path | None = None,
+    out: str | Path | None = None,
+    trained: TrainedModel | None = None,
 ) -> AttributionReport:
     """`journeys attribute`: the report from existing scores into `paths.reports`.
 
-    The model named in the scores is reloaded for integrated gradients (skipped, with a
-    warning, when it cannot be trained); the report is logged to the scoring run when the
+    The model named in the scores (`trained`, when the caller that scored holds it) is
+    reloaded for integrated gradients (skipped, with a warning, when it cannot be); the report is logged to the scoring run when the
     scores name one and the tracking store exists.
     """
     from journeys.tracking import mlflow_run, redact_uri, tracking_uri
@@ -655,7 +658,10 @@ def attribute_command(
         # `journeys score` built it a moment ago from these very scores and settings.
         print(f"attribution report in {out} is up to date with these scores: not rebuilt")
         return existing
-    trained = _load_scoring_model(metadata, store) if settings.ig_sample else None
+    if not settings.ig_sample:
+        trained = None
+    elif trained is None or trained.model_uri != metadata.get("model_uri"):
+        trained = _load_scoring_model(metadata, store)
     report = build_report(frame, trained=trained, settings=settings)
     report.summary[MADE_FROM] = made_from
     if since is not None:  # attribution.window

@@ -131,7 +131,7 @@ def cmd_score(args: argparse.Namespace) -> None:
         )
         report = args.report or (None if args.out else config.paths.reports)
         if report and result.rows:
-            attribute_command(config, scores=result.out, out=report)
+            attribute_command(config, scores=result.out, out=report, trained=result.trained)
         elif report:
             print(f"journeys score: no journeys scored: the report in {report} is not rebuilt",
                   file=sys.stderr)  # fmt: skip

@@ -220,6 +220,7 @@ class ScoreResult:
     not_started: int = 0  # input journeys that had no event by `as_of`: not scored
     kept: int = 0  # finished journeys whose earlier scores stand (nothing changed)
     why_not_kept: str | None = None
+    trained: TrainedModel | None = field(default=None, repr=False)  # the model that scored
 
     @property
     def journeys_per_second(self) -> float:
@@ -792,8 +793,8 @@ def score_command(
             "scored_at": _now(),
             "run_id": run.run_id if run else None,
         }
-        # journeys.encoding imports Lightning (~4 s): import it before the clock starts so
-        # the reported journeys/s measures scoring, not start-up.
+        # journeys.encoding imports torch's data utilities (~1 s): import it before the
+        # clock starts so the reported journeys/s measures scoring, not start-up.
         import journeys.encoding  # noqa: F401
 
         started = time.perf_counter()
@@ -819,6 +820,7 @@ def score_command(
             not_started=scored.journeys - scored.rows,
             kept=scored.kept,
             why_not_kept=scored.why_not_kept,
+            trained=trained,
         )
         _print_summary(result)
         if result.open and trained.quiet_survival is None:
