@@ -61,7 +61,7 @@ from journeys.datasets import (
 )
 from journeys.encoding import EncodedJourneys, fraction_of_negatives, model_config_from
 from journeys.errors import JourneysError, first_line
-from journeys.in_flight import QuietSurvival
+from journeys.in_flight import QuietSurvival, recalibrate_in_flight
 from journeys.inference import attention_by_token, run_model
 from journeys.lightning_parts import (
     LAST_CHECKPOINT,
@@ -178,6 +178,7 @@ def train_command(
             # 5. choose among them on val (never on test), log and register
             decision = choose(config, uri, candidates, splits["val"])
             trained = candidates.serving(trained, decision.kind)
+            trained.quiet_survival = in_flight_recalibration(trained, journeys, config)
             metrics |= candidates.metrics(decision.kind)
             metrics |= {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
             registration, model_uri = log_and_register(
@@ -476,6 +477,27 @@ def quiet_survival(journeys: pl.DataFrame, max_gap: timedelta) -> QuietSurvival 
     """How long the train split's journeys stay quiet, by outcome: stored with the model
     to score open journeys (`journeys.in_flight`)."""
     return QuietSurvival.fit(journeys.filter(pl.col("split") == "train"), max_gap)
+
+
+def in_flight_recalibration(
+    trained: TrainedModel, journeys: pl.DataFrame, config: Config
+) -> QuietSurvival | None:
+    """The served model's quiet-time curves, recalibrated on open journeys replayed in the
+    val window and scored by what it serves (`journeys.in_flight.recalibrate_in_flight`)."""
+    survival = trained.quiet_survival
+    if survival is None:
+        return None
+    recalibrated = recalibrate_in_flight(
+        survival, journeys, trained.predict_proba, trained.encoder.event_columns,
+        config.journey.max_gap_delta,
+    )  # fmt: skip
+    if recalibrated.recalibration is not None:
+        a, b, c = recalibrated.recalibration
+        print(
+            f"open journeys: in-flight probability recalibrated on a replay of the val window "
+            f"(log-odds x {b:.2f}, {c:+.2f} per log quiet hour, {a:+.2f})"
+        )
+    return recalibrated
 
 
 def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -237,9 +238,70 @@ def test_every_prefix_training_logs_prefix_aucs_and_stores_the_quiet_times(
     for split in ("val", "test"):
         assert 0 <= metrics[f"{split}_prefix_roc_auc_weighted"] <= 1
         assert 0 <= metrics[f"{split}_prefix_roc_auc_len1"] <= 1
-    # The quiet times the logged model carries are those of the train split.
+    # The quiet times the logged model carries are those of the train split (with or
+    # without a recalibration: this small log's replay may hold too few conversions).
     train = pl.read_parquet(tmp_path / "journeys" / "*.parquet").filter(
         (pl.col("split") == "train") & ~pl.col("censored")
     )
     loaded = load_model(result.model_uri, tracking_uri=uri)
-    assert loaded.quiet_survival == QuietSurvival.fit(train, MAX_GAP)
+    assert loaded.quiet_survival is not None
+    curves = dataclasses.replace(loaded.quiet_survival, recalibration=None)
+    assert curves == QuietSurvival.fit(train, MAX_GAP)
+
+
+# --- recalibration on a replay --------------------------------------------------------------
+
+
+def test_a_replay_finds_the_journeys_open_at_each_moment_and_what_they_did_next() -> None:
+    from journeys.in_flight import replay_open_journeys
+
+    frame = journeys_frame([(1, [0, 3600], 7200), (0, [0], None), (0, [5000], None)])
+    frame = frame.with_columns(
+        start_time=pl.col("event_time").list.first(),
+        event_type=pl.col("event_time").list.eval(pl.lit("page_view")),
+    )
+    moments = [T0 + timedelta(seconds=1800), T0 + timedelta(seconds=7300)]
+    replayed = replay_open_journeys(frame, moments, [], MAX_GAP)
+    # At 1800 s: the converting journey (one event so far) and the one-event journey; the
+    # third had not begun. At 7300 s the converting one has converted: not open.
+    assert replayed.select("quiet_seconds", "converted_after").rows() == [
+        (1800.0, True), (1800.0, False), (7300.0, False), (2300.0, False),
+    ]  # fmt: skip
+
+
+def test_recalibration_corrects_what_the_quiet_time_rule_under_states() -> None:
+    """Outcomes drawn where long-quiet journeys convert more often than Bayes' rule says:
+    the fitted recalibration recovers the distortion, and observed matches expected in
+    every quiet-time bucket; with too few conversions, or a fit that would turn the
+    ranking round, nothing is recalibrated."""
+    survival = QuietSurvival.fit(
+        journeys_frame([(1, [0, 60, 4000], 9000), (1, [0, 90_000], 91_000), (0, [0, 7200], None)]),
+        MAX_GAP,
+    )
+    assert survival is not None
+    rng = np.random.default_rng(0)
+    n = 200_000
+    q = rng.beta(1, 12, n)
+    quiet = np.exp(rng.uniform(np.log(60), np.log(MAX_GAP.total_seconds()), n))
+    bayes = survival.probability(q, quiet)
+    log_odds = np.log(bayes) - np.log1p(-bayes)
+    truth = 1 / (1 + np.exp(-(-0.5 + 0.9 * log_odds + 0.4 * np.log1p(quiet / 3600))))
+    converted = rng.random(n) < truth
+    fitted = survival.recalibrated(q, quiet, converted)
+    assert fitted.recalibration == pytest.approx((-0.5, 0.9, 0.4), abs=0.08)
+    after = fitted.probability(q, quiet)
+    long_quiet = quiet > 2 * 86400
+    assert converted[long_quiet].sum() > 1.3 * bayes[long_quiet].sum()  # the rule under-states
+    for inside in (quiet < 3600, (quiet >= 3600) & (quiet < 86400), quiet >= 86400):
+        observed, expected = converted[inside].sum(), after[inside].sum()
+        assert abs(observed - expected) < 3 * np.sqrt((after[inside] * (1 - after[inside])).sum())
+    # Saved and read back with the model; a model saved before it has none.
+    assert QuietSurvival.from_dict(fitted.to_dict()) == fitted
+    stored = {k: v for k, v in survival.to_dict().items() if k != "recalibration"}
+    assert QuietSurvival.from_dict(stored).recalibration is None
+
+    few = np.zeros(n, bool)
+    few[:10] = True
+    assert survival.recalibrated(q, quiet, few).recalibration is None
+    backwards = rng.random(n) < (1 - q) * 0.1  # the lower the score, the likelier
+    assert survival.recalibrated(q, quiet, backwards).recalibration is None
