@@ -541,7 +541,9 @@ def load_model(model_uri: str, tracking_uri: str | None = None) -> TrainedModel:
     if ":/" not in model_uri:
         if not Path(model_uri).is_dir():
             raise InputError(f"model {model_uri} not found: not a model URI nor a folder")
-        return TrainedModel.load(model_uri, model_uri)
+        # Scores name their model: one folder is one name however it was spelled, so a
+        # nightly run given it relative and then absolute keeps its earlier scores.
+        return TrainedModel.load(model_uri, str(Path(model_uri).resolve()))
 
     import mlflow
     from mlflow import MlflowClient

@@ -83,6 +83,18 @@ def test_a_saved_model_loads_back_the_same_and_predicts_with_its_inputs(tmp_path
     np.testing.assert_allclose(again.predict_proba(journeys), expected, rtol=1e-6)
 
 
+def test_a_model_folder_is_named_the_same_however_its_path_is_spelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scores record their model's name, and keep earlier scores of the same model only:
+    a folder given relative and then absolute is one model."""
+    shutil.copytree(FORMAT_1 / "model", tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    relative = load_model("model")
+    absolute = load_model(str(tmp_path / "model"))
+    assert relative.model_uri == absolute.model_uri == str((tmp_path / "model").resolve())
+
+
 @pytest.mark.parametrize(
     ("stored", "inputs"),
     [({}, 2), ({"numeric_relative": True}, 3), ({"numeric_inputs": 4}, 4)],
