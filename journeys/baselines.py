@@ -22,11 +22,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, get_args
 
 import numpy as np
 import polars as pl
 
+from journeys.config import BaselineName
 from journeys.datasets import MISSING_VALUE
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
     from journeys.config import Config
 
-BASELINES = ("logreg", "hgb", "hgb_aggregates", "last_touch", "prior")
+BASELINES: tuple[str, ...] = get_args(BaselineName)
 # Pseudo-count of train journeys at the base rate added to every last-touch key, so a key
 # seen twice with one conversion does not predict 50 %.
 LAST_TOUCH_PSEUDO_COUNT = 20.0

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -459,6 +459,11 @@ class Model(Section):
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
+# The baselines a run can fit beside the transformer (`journeys.baselines` builds them):
+# the one list, which the configuration checks and the defaults take whole.
+BaselineName = Literal["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]
+
+
 class Train(Section):
     max_epochs: Annotated[int, Field(ge=1)] = 12
     batch_size: Annotated[int, Field(ge=1)] = 256
@@ -503,9 +508,7 @@ class Train(Section):
     precision: str = "32-true"
     num_workers: Annotated[int, Field(ge=0)] = 0
     seed: int = 0
-    baselines: list[Literal["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]] = Field(
-        default_factory=lambda: ["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]
-    )
+    baselines: list[BaselineName] = Field(default_factory=lambda: list(get_args(BaselineName)))
     bigrams: bool = False
     # A candidate for the champion beside the transformer and the baselines: the transformer
     # blended with gradient boosting on journey aggregates (`hgb_aggregates`' model), the

@@ -1107,7 +1107,7 @@ PartitionBuilder = Callable[[int], PartitionResult]
 MapPartitions = Callable[[PartitionBuilder, list[int]], list[PartitionResult]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BuildPartition:
     """Pass 2 for one user bucket: the rows the last run kept open and the new ones.
 
@@ -1222,10 +1222,12 @@ def run_ingest(
         built.mkdir()
         data_end = max_or_none(previous.data_end if previous else None, staged.data_end)
         build = BuildPartition(
-            without_secrets(config), staged.partitions,
-            previous.folder / STATE_DIR if previous else None,
-            built, closing_horizon(data_end, config),
-        )  # fmt: skip
+            config=without_secrets(config),
+            staged=staged.partitions,
+            state=previous.folder / STATE_DIR if previous else None,
+            scratch=built,
+            horizon=closing_horizon(data_end, config),
+        )
         buckets = list(range(config.ingest.partitions))
         parts = (map_partitions or map_in_order)(build, buckets)
         if len(parts) != len(buckets):

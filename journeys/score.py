@@ -239,7 +239,7 @@ class ChunkScored:
     kept: int = 0  # rows whose earlier scores stand (`reused_rows`)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoreChunk:
     """Scores one chunk of the input, `(first row, rows)` of its part files read back to
     back, into `staging` as `part-<index>.parquet`: the unit `score_dataset` maps over the
@@ -393,9 +393,19 @@ def score_dataset(
             link_or_copy(path, staging / path.name)
         reuse = reusable_rows(earlier, scratch / "reuse.parquet") if keep_earlier and todo else None
         score = ScoreChunk(
-            trained, [part for part, _ in todo], staging, columns, schema, as_of, scored_at,
-            scores_metadata(metadata), attention, batch_size, held=held, reuse=reuse,
-        )  # fmt: skip
+            trained=trained,
+            parts=[part for part, _ in todo],
+            staging=staging,
+            columns=columns,
+            schema=schema,
+            as_of=as_of,
+            scored_at=scored_at,
+            parquet_metadata=scores_metadata(metadata),
+            attention=attention,
+            batch_size=batch_size,
+            held=held,
+            reuse=reuse,
+        )
         if map_chunks is None:
             with _progress(total, progress) as advance:
                 results = []
