@@ -172,7 +172,7 @@ tagged AS (
     FROM flagged
 ),
 journeys AS (
-    SELECT user_id,
+    SELECT user_id, journey,
            min(ts) FILTER (WHERE NOT conv) AS start_time,
            max(ts) AS end_time,
            max(ts) FILTER (WHERE NOT conv) AS last_event_time,
@@ -185,7 +185,8 @@ journeys AS (
     GROUP BY user_id, journey
     HAVING count(*) FILTER (WHERE NOT conv) > 0
 )
-SELECT user_id || '-' || epoch_us(start_time) AS journey_id,
+SELECT user_id || '-' || epoch_us(start_time) || CASE WHEN same_start > 0
+           THEN '-' || same_start ELSE '' END AS journey_id,
        user_id, start_time, end_time,
        least(n_events_total, $max_events)::INTEGER AS n_events,
        n_events_total::INTEGER AS n_events_total,
@@ -196,7 +197,10 @@ SELECT user_id || '-' || epoch_us(start_time) AS journey_id,
 FROM (
     SELECT *,
            (SELECT epoch_us(max(ts)) FROM events) - epoch_us(last_event_time) <= $max_gap_us
-               AS near_end
+               AS near_end,
+           -- journeys of one user starting at one instant: the later ones' place among them
+           row_number() OVER (PARTITION BY user_id, start_time ORDER BY journey) - 1
+               AS same_start
     FROM journeys
 )
 """
@@ -367,6 +371,9 @@ def run_pandas(csv: Path, out: Path) -> dict[str, float]:
     )
     epoch_us = (journeys["start_time"] - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(microseconds=1)
     journeys["journey_id"] = journeys["user_id"] + "-" + epoch_us.astype(str)
+    same_start = journeys.groupby(["user_id", "start_time"]).cumcount()  # in journey order
+    later = same_start > 0
+    journeys.loc[later, "journey_id"] += "-" + same_start[later].astype(str)
     (out / "journeys").mkdir(parents=True)
     journeys[list(JOURNEY_COLUMNS)].to_parquet(out / "journeys" / "part-00000.parquet", index=False)
     phase("censor, split, write")

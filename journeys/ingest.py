@@ -105,8 +105,23 @@ ROW_ORDER = "_order"
 
 
 def journey_id_expr(user: str = "user_id", start: str = "start_time") -> pl.Expr:
-    """Deterministic id: the user and the first event's UTC instant in microseconds."""
-    return pl.format("{}-{}", pl.col(user), pl.col(start).dt.epoch("us"))
+    """Deterministic id: the user and the first event's UTC instant in microseconds, and
+    where one user has several journeys starting at that instant (a log stamped to the
+    second or the hour, a conversion straight after a conversion), the later ones' place
+    among them: `u1-1772442000000000`, then `u1-1772442000000000-1`.
+
+    Journeys must be ordered by user, then start, then event order, as `build_journeys`
+    makes them (all journeys starting at one instant lie in one visit, which every build
+    reads whole): the place is counted along neighbours, which costs a shift where a
+    window over (user, start) cost 20 times as much.
+    """
+    same = (pl.col(user) == pl.col(user).shift(1)) & (pl.col(start) == pl.col(start).shift(1))
+    row = pl.int_range(pl.len())
+    place = row - pl.when(~same.fill_null(False)).then(row).forward_fill()
+    base = pl.format("{}-{}", pl.col(user), pl.col(start).dt.epoch("us"))
+    return pl.concat_str(
+        [base, pl.when(place > 0).then(pl.format("-{}", place))], ignore_nulls=True
+    )
 
 
 def sort_events(events: pl.DataFrame, data: Data) -> pl.DataFrame:

@@ -6,6 +6,7 @@ skew warnings."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 
 import polars as pl
@@ -520,6 +521,31 @@ def test_repeat_conversions_are_counted_as_such_and_a_setting_says_what_they_are
         assert journeys["label"].to_list() == [1, 1]
         assert report["conversions_without_journey"] == 1
         assert "come straight after another conversion" not in warnings
+
+
+def test_journeys_starting_at_one_instant_get_ids_of_their_own(tmp_path: Path) -> None:
+    """An export stamped to the minute: within one minute u1 searches and clicks out, then
+    views a hotel and books it, so both journeys start at the same instant; each still has
+    an id of its own, and a journey alone at its instant keeps the plain id."""
+    raw = tmp_path / "clickouts.csv"
+    raw.write_text(
+        "user_id,timestamp,event_type\n"
+        "u1,2026-03-02T09:00:00Z,search\nu1,2026-03-02T09:00:00Z,clickout\n"
+        "u1,2026-03-02T09:00:00Z,view\nu1,2026-03-02T09:00:00Z,booking\n"
+        "u1,2026-03-02T09:30:00Z,search\n"
+    )
+    config = config_for(
+        raw, tmp_path, "data.features=[]", "data.conversion_events=[clickout, booking]",
+        "journey.max_gap=1h", "data.observed_until=2026-03-03T00:00:00Z",
+    )  # fmt: skip
+    result = run_ingest(config)
+    assert_accounting(result.report)
+    journeys = result.journeys.sort("journey_id")
+    start = int(datetime(2026, 3, 2, 9, tzinfo=UTC).timestamp() * 1_000_000)
+    later = start + 30 * 60 * 1_000_000
+    assert journeys["journey_id"].to_list() == [f"u1-{start}", f"u1-{start}-1", f"u1-{later}"]
+    assert journeys["label"].to_list() == [1, 1, 0]
+    assert journeys["event_type"].to_list() == [["search"], ["view"], ["search"]]
 
 
 def test_a_file_quarantined_far_more_than_the_others_is_named_with_its_commonest_reason(
