@@ -38,6 +38,9 @@ MISSING_VALUE = "(none)"
 NO_SPLIT = "none"  # censored (and near-end converted) journeys: scored, never trained on
 UTC_US = pl.Datetime("us", "UTC")
 REPORT_FILE = "ingest_report.json"
+# Beside the journeys while the last ingest meant to refresh them has stopped: scoring them
+# then would quietly score yesterday's journeys (`check_not_stale`).
+FAILED_INGEST_FILE = "ingest_failed.json"
 METADATA_KEY = "journeys.scoring"  # the scores' Parquet key-value metadata
 CHUNK_KEY = "journeys.chunk"  # ... and per file: its input rows, open journeys, as_of
 # Fewer conversions than this in val or test: the metrics are printed with a warning (their
@@ -65,6 +68,35 @@ def require_input(path: str | Path, what: str, hint: str) -> None:
     text = str(path)
     if not any(ch in text for ch in "*?[") and not Path(text).exists():
         raise InputError(f"{what} not found at {Path(text).absolute()}: {hint}")
+
+
+def record_failed_ingest(folder: str | Path, error: BaseException) -> None:
+    """Say beside the journeys (when there are any) that the ingest stopped, and why."""
+    from journeys.config import redact_uri
+    from journeys.storage import write_json
+
+    folder = Path(folder)
+    if folder.is_dir():
+        stopped = {"at": datetime.now().astimezone().isoformat(timespec="seconds")}
+        write_json(stopped | {"error": redact_uri(first_line(error))}, folder / FAILED_INGEST_FILE)
+
+
+def clear_failed_ingest(folder: str | Path) -> None:
+    (Path(folder) / FAILED_INGEST_FILE).unlink(missing_ok=True)
+
+
+def check_not_stale(folder: str | Path) -> None:
+    """Raise `InputError` when the last ingest into `folder` stopped: its journeys are
+    those of the ingest before, and scores made from them would look current."""
+    path = Path(folder) / FAILED_INGEST_FILE
+    if not path.is_file():
+        return
+    stopped = json.loads(path.read_text())
+    raise InputError(
+        f"the last `journeys ingest` into {folder} stopped at {stopped['at']} "
+        f"({stopped['error']}): these journeys are from the ingest before it; fix that and "
+        "run `journeys ingest` again"
+    )
 
 
 def parquet_parts(folder: str | Path) -> list[Path]:

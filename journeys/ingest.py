@@ -53,7 +53,9 @@ from journeys.datasets import (
     REPORT_FILE,
     SPLITS,
     UTC_US,
+    clear_failed_ingest,
     read_journeys,
+    record_failed_ingest,
 )
 from journeys.errors import InputError, first_line
 from journeys.events import (
@@ -1200,6 +1202,23 @@ def run_ingest(
     """
     journeys_folder = Path(journeys_folder or config.paths.journeys)
     quarantine_folder = Path(quarantine_folder or config.paths.quarantine)
+    try:
+        result = _run_ingest(config, raw, journeys_folder, quarantine_folder, map_partitions, full)
+    except Exception as err:  # the journeys stay as they were: say so beside them
+        record_failed_ingest(journeys_folder, err)
+        raise
+    clear_failed_ingest(journeys_folder)
+    return result
+
+
+def _run_ingest(
+    config: Config,
+    raw: str | Path | None,
+    journeys_folder: Path,
+    quarantine_folder: Path,
+    map_partitions: MapPartitions | None,
+    full: bool,
+) -> IngestResult:
     key = config_key(config)
     previous, why = previous_ingest(config, journeys_folder, full)
     sources = resolve_sources(raw or config.paths.raw)

@@ -73,6 +73,7 @@ from journeys.datasets import (
     PART_FILE,
     REPORT_FILE,
     UTC_US,
+    check_not_stale,
     chunk_facts,
     count_rows,
     input_schema,
@@ -781,6 +782,9 @@ def score_command(
             f"model {uri} not found: no MLflow store at {redact_uri(store)} (train first)"
         )
     moment = parse_as_of(as_of, config.data.timezone)
+    source = str(input_path or config.paths.journeys)
+    if Path(source).is_dir():
+        check_not_stale(source)  # before the model loads: a stopped ingest fails fast
     try:
         trained = load_model(uri, tracking_uri=store)
     except InputError:
@@ -788,7 +792,6 @@ def score_command(
         if model_uri is None and champion_version(store, name) is None:
             raise no_champion(store, name) from None  # the guard's decision and its fix
         raise
-    source = str(input_path or config.paths.journeys)
     out = Path(out or config.paths.scores)
     attention = config.score.attention
 

@@ -20,7 +20,7 @@ from test_ingest import config_for as ingest_config_for
 
 from journeys.cli import main
 from journeys.config import parse_duration
-from journeys.datasets import training_journeys
+from journeys.datasets import check_not_stale, training_journeys
 from journeys.ingest import read_quarantine, run_ingest
 from journeys.manifest import MANIFEST_FILE
 from journeys.vocab import Vocabularies
@@ -478,6 +478,33 @@ def test_an_old_file_delivered_again_under_a_new_name_stops_and_names_full(
     assert len(err.splitlines()) == 1 and "most as late" in err and "--full" in err, err
     assert (tmp_path / "journeys" / MANIFEST_FILE).read_bytes() == before
     assert read_quarantine(tmp_path / "quarantine").height == pl.read_csv(files[0]).height
+
+
+def test_scoring_after_a_stopped_ingest_refuses_the_stale_journeys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A nightly ingest that stops leaves the journeys as they were: `journeys score` run
+    after it (its own schedule) refuses them with one line naming the stopped ingest, not
+    a quiet exit 0 on yesterday's journeys; the next ingest that succeeds clears it."""
+    files = write_days(event_log(seed=13).filter(pl.col("arrival") < 20), tmp_path / "landing")
+    args = ingest_args(tmp_path)
+    assert main(args) == 0
+    resent = tmp_path / "landing" / "day-000-resent.csv"
+    shutil.copy2(files[0], resent)
+    assert main(args) == 2  # all its rows late: the run stops
+    capsys.readouterr()
+    score = [
+        "score", "--model", str(tmp_path), "--set", f"paths.journeys={tmp_path / 'journeys'}",
+        "--set", f"paths.scores={tmp_path / 'scores'}",
+    ]  # fmt: skip
+    assert main(score) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "the last `journeys ingest`" in err and "stopped" in err and "most as late" in err
+    assert not (tmp_path / "scores").exists()
+    resent.unlink()
+    assert main(args) == 0
+    check_not_stale(tmp_path / "journeys")  # cleared: nothing raised
 
 
 def test_the_manifests_hashing_stops_when_the_ingest_does(tmp_path: Path) -> None:
