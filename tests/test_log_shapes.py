@@ -15,6 +15,7 @@ from test_ingest import assert_accounting, clean_log, config_for, journeys_of
 
 from journeys.cli import main
 from journeys.config import load_config
+from journeys.datasets import FAILED_INGEST_FILE
 from journeys.errors import InputError
 from journeys.ingest import ingest, run_ingest
 
@@ -251,7 +252,10 @@ def test_epoch_seconds_read_as_ms_stop_with_the_fix_and_keep_the_old_journeys(
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "implausible_timestamp" in err and "timestamp_unit (now ms" in err
     assert "1970-01-" in err  # the parsed range shows what went wrong
-    assert folder_bytes(tmp_path / "journeys") == before  # the previous journeys stand
+    after = folder_bytes(tmp_path / "journeys")
+    assert FAILED_INGEST_FILE in after  # beside them: their refresh stopped (for scoring)
+    del after[FAILED_INGEST_FILE]
+    assert after == before  # the previous journeys stand
     quarantine = pl.read_parquet(tmp_path / "quarantine" / "quarantine.parquet")
     assert quarantine.height == seconds.height  # written, so the user can look
     assert cli_ingest(tmp_path / "log.csv", tmp_path / "auto", "data.timestamp_unit=auto") == 0
