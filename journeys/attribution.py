@@ -630,9 +630,9 @@ def attribute_command(
 ) -> AttributionReport:
     """`journeys attribute`: the report from existing scores into `paths.reports`.
 
-    The model named in the scores (`trained`, when the caller that scored holds it) is
-    reloaded for integrated gradients (skipped, with a warning, when it cannot be); the report is logged to the scoring run when the
-    scores name one and the tracking store exists.
+    Integrated gradients need the model named in the scores: `trained` when the caller
+    that scored holds it, else reloaded (skipped, with a warning, when it cannot be). The
+    report is logged to the scoring run when the scores name one and the store exists.
     """
     from journeys.tracking import mlflow_run, redact_uri, tracking_uri
 

@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from journeys.metrics import logit, sigmoid
+
 # Quiet times at which the curves are stored: log-spaced from one second to max_gap.
 GRID_POINTS = 96
 GRID_START_S = 1.0
@@ -128,7 +130,7 @@ class QuietSurvival:
         if self.recalibration is None:
             return p
         a, b, c = self.recalibration
-        return _sigmoid(a + b * _log_odds(p) + c * np.log1p(quiet / 3600.0))
+        return sigmoid(a + b * logit(p, PROBABILITY_FLOOR) + c * np.log1p(quiet / 3600.0))
 
     def _bayes(self, q: np.ndarray, quiet: np.ndarray) -> np.ndarray:
         # Interpolated on log(1 + t): the grid is log-spaced.
@@ -162,21 +164,12 @@ class QuietSurvival:
             return replace(self, recalibration=None)
         quiet = np.clip(np.asarray(quiet_seconds, dtype=np.float64), 0.0, None)
         bayes = self._bayes(np.asarray(q, dtype=np.float64), quiet)
-        inputs = np.c_[_log_odds(bayes), np.log1p(quiet / 3600.0)]
+        inputs = np.c_[logit(bayes, PROBABILITY_FLOOR), np.log1p(quiet / 3600.0)]
         fitted = LogisticRegression(C=1e4, max_iter=1000).fit(inputs, converted)
         b, c = (float(v) for v in fitted.coef_[0])
         if b <= 0:
             return replace(self, recalibration=None)
         return replace(self, recalibration=(float(fitted.intercept_[0]), b, c))
-
-
-def _log_odds(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, PROBABILITY_FLOOR, 1.0 - PROBABILITY_FLOOR)
-    return np.log(p) - np.log1p(-p)
-
-
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * z))  # no overflow warning for large |z|
 
 
 def replay_open_journeys(

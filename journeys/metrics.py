@@ -26,6 +26,13 @@ CONFIDENCE = 0.95
 # Paired bootstrap of a PR AUC difference: resamples, drawn this many at a time (memory).
 PAIRED_RESAMPLES = 200
 PAIRED_CHUNK = 25
+LOGIT_FLOOR = 1e-6  # probabilities are clipped this far from 0 and 1 before taking logits
+
+
+def logit(probability: np.ndarray, floor: float = LOGIT_FLOOR) -> np.ndarray:
+    """Log-odds in float64, of probabilities clipped `floor` away from 0 and 1."""
+    p = np.clip(np.asarray(probability, dtype=np.float64), floor, 1 - floor)
+    return np.log(p) - np.log1p(-p)
 
 
 def sigmoid(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:

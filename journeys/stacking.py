@@ -25,18 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from journeys.metrics import logit
+
 if TYPE_CHECKING:
     import polars as pl
 
     from journeys.baselines import HgbAggregates
 
-_CLIP = 1e-6  # probabilities are clipped this far from 0 and 1 before taking logits
 TRANSFORMER_SHARE = 0.5  # the transformer's share of the blended log-odds
-
-
-def logit(probability: np.ndarray) -> np.ndarray:
-    p = np.clip(np.asarray(probability, dtype=np.float64), _CLIP, 1 - _CLIP)
-    return np.log(p / (1 - p))
 
 
 @dataclass

@@ -614,7 +614,8 @@ def candidates_beside(
     the other."""
     from journeys import promotion
     from journeys.baselines import BaselineSettings, fit_baseline
-    from journeys.stacking import blended, fit_stack, logit, platt
+    from journeys.metrics import logit
+    from journeys.stacking import blended, fit_stack, platt
 
     val, test = splits["val"], splits["test"]
     labels = val.get_column("label").to_numpy().astype(np.int64)

@@ -15,7 +15,8 @@ from sklearn.metrics import roc_auc_score
 from journeys.config import load_config
 from journeys.datasets import labelled, scan_journeys
 from journeys.errors import InputError
-from journeys.stacking import blended, fit_stack, logit
+from journeys.metrics import logit
+from journeys.stacking import blended, fit_stack
 from journeys.trained_model import HEAD_BOOSTER, HEAD_FILE, TrainedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
