@@ -489,12 +489,11 @@ def build_vocabularies(
 ) -> Vocabularies:
     """Vocabularies of `event_type` and `features` (default: all of `data.features`) from
     the train cases' kept events only, with the product's builder and `vocab.min_count`."""
-    from journeys.ingest import build_vocabularies as product_builder
+    from journeys.vocab import build_vocabularies as product_builder
 
-    if features is not None:
-        config = config.model_copy(deep=True)
-        config.data.features = list(features)
-    return product_builder(train.lazy().with_columns(pl.lit("train").alias("split")), config)
+    columns = ["event_type", *(config.data.features if features is None else features)]
+    train_split = train.lazy().with_columns(pl.lit("train").alias("split"))
+    return product_builder(train_split, columns, config.vocab.min_count)
 
 
 @dataclass

@@ -61,7 +61,7 @@ from flows.settings import (
     resolve_config,
 )
 from journeys import ingest as ingest_lib
-from journeys import tracking
+from journeys import sessionise, tracking
 from journeys.config import Config, redact_uri
 from journeys.errors import InputError, JourneysError
 from journeys.pipeline_lock import HELD_ENV, lock_path, stage_lock
@@ -200,8 +200,8 @@ def simulate_task(config: Config) -> dict[str, Any] | None:
 
 @task(name="build-partition", task_run_name="build-partition-{index}")
 def build_partition_task(
-    build: ingest_lib.PartitionBuilder, partition: int, index: int
-) -> ingest_lib.PartitionResult:
+    build: sessionise.PartitionBuilder, partition: int, index: int
+) -> sessionise.PartitionResult:
     """Pass 2 of ingest for one partition: de-duplicate, sort, sessionise, label."""
     return build(partition)
 
@@ -242,14 +242,14 @@ def map_as_tasks(
             raise
 
 
-def partitions_as_tasks(settings: Orchestration) -> ingest_lib.MapPartitions:
+def partitions_as_tasks(settings: Orchestration) -> sessionise.MapPartitions:
     """`run_ingest`'s pass 2 as one task per partition on the configured task runner."""
 
     def map_partitions(
-        build: ingest_lib.PartitionBuilder, partitions: list[int]
-    ) -> list[ingest_lib.PartitionResult]:
+        build: sessionise.PartitionBuilder, partitions: list[int]
+    ) -> list[sessionise.PartitionResult]:
         get_run_logger().info("building %d partition(s)", len(partitions))
-        needed = build.paths() if isinstance(build, ingest_lib.BuildPartition) else []
+        needed = build.paths() if isinstance(build, sessionise.BuildPartition) else []
         return map_as_tasks(
             build_partition_task, settings, ("build", build), ("partition", partitions), needed
         )

@@ -382,7 +382,7 @@ def score_dataset(
     earlier = (
         earlier_scores(Path(out), rows_of, facts, as_of, schema)
         if keep_earlier
-        else Earlier(why_not="asked to score everything")
+        else EarlierScores(why_not="asked to score everything")
     )
     todo = [(part, key) for part, key in zip(parts, keys, strict=True) if key not in earlier.parts]
     todo_rows = [rows_of[key] for _, key in todo]
@@ -449,7 +449,7 @@ def part_key(path: Path) -> str:
 
 
 @dataclass(frozen=True)
-class Earlier:
+class EarlierScores:
     """The earlier scores a run keeps, and why it keeps none when it does not."""
 
     files: list[Path] = field(default_factory=list)
@@ -464,10 +464,10 @@ class Earlier:
 def earlier_scores(
     out: Path, part_rows: dict[str, int], facts: dict[str, Any], as_of: datetime,
     schema: pl.Schema,
-) -> Earlier:  # fmt: skip
+) -> EarlierScores:  # fmt: skip
     """The files of an earlier scoring of `out` that still hold the right scores."""
     if not out.is_dir():
-        return Earlier(why_not="no earlier scores")
+        return EarlierScores(why_not="no earlier scores")
     candidates, usable, models = {}, [], set()
     for path in parquet_parts(out):
         chunk = chunk_facts(path)
@@ -507,13 +507,13 @@ def earlier_scores(
         )
     rows = sum(c["rows"] for c in candidates.values())
     others = [path for path in usable if path not in candidates]
-    return Earlier(sorted(candidates), frozenset(whole), rows, why, others)
+    return EarlierScores(sorted(candidates), frozenset(whole), rows, why, others)
 
 
-def reusable_rows(earlier: Earlier, into: Path) -> Path | None:
+def reusable_rows(earlier: EarlierScores, into: Path) -> Path | None:
     """The rows of earlier scores files not kept whole (their part changed: last night's
     open journeys, a day rewritten for its split) but scored by the same model, as of no
-    later (`Earlier.others`), that were not open then: a journey among them that is still
+    later (`EarlierScores.others`), that were not open then: a journey among them that is still
     the same and still not open need not be scored again (`reused_rows`)."""
     if not earlier.others:
         return None

@@ -78,6 +78,18 @@ class Vocabularies:
                 raise InputError(f"vocabulary {name!r} does not start with {PAD}, {UNK}")
         return cls(by_column=by_column, min_count=int(data.get("min_count", 1)))
 
+    @classmethod
+    def from_counts(cls, counts: pl.DataFrame, columns: list[str], min_count: int) -> Vocabularies:
+        """One vocabulary per sequence column from the train split's token counts
+        (`column`, `token`, `count`: `count_tokens`)."""
+        by_column = {
+            name: Vocabulary.from_counts(
+                counts.filter(pl.col("column") == name).select("token", "count"), min_count
+            )
+            for name in columns
+        }
+        return cls(by_column=by_column, min_count=min_count)
+
     def save(self, folder: str | Path) -> None:
         write_json(self.to_json(), Path(folder) / VOCAB_FILE)
 
@@ -90,3 +102,29 @@ class Vocabularies:
             raise InputError(f"no vocabularies at {path}: run `journeys ingest` first") from None
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise InputError(f"vocabularies at {path} are unreadable: {err}") from None
+
+
+def count_tokens(journeys: pl.LazyFrame, columns: list[str]) -> pl.DataFrame:
+    """Token counts per sequence column: `column`, `token`, `count`."""
+    counted = [
+        journeys.select(pl.col(name).explode().alias("token"))
+        .group_by("token")
+        .len(name="count")
+        .with_columns(pl.lit(name).alias("column"))
+        .select("column", "token", pl.col("count").cast(pl.Int64))
+        for name in columns
+    ]
+    return pl.concat(pl.collect_all(counted, engine="streaming"), how="vertical")
+
+
+def train_token_counts(files: list[Path], columns: list[str]) -> pl.DataFrame:
+    """Token counts of the train split of journeys part files (`count_tokens`)."""
+    if not files:
+        return pl.DataFrame(schema={"column": pl.String, "token": pl.String, "count": pl.Int64})
+    return count_tokens(pl.scan_parquet(files).filter(pl.col("split") == "train"), columns)
+
+
+def build_vocabularies(journeys: pl.LazyFrame, columns: list[str], min_count: int) -> Vocabularies:
+    """Token vocabularies from the train split's sequences only (nothing from val/test)."""
+    train = journeys.filter(pl.col("split") == "train")
+    return Vocabularies.from_counts(count_tokens(train, columns), columns, min_count)

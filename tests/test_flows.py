@@ -292,13 +292,13 @@ def orchestrate(mp: pytest.MonkeyPatch, **settings: Any) -> None:
 
 def test_a_task_failing_once_is_retried_and_the_flow_succeeds(tmp_path: Path) -> None:
     from flows.pipeline import ingest_flow
-    from journeys import ingest as ingest_lib
+    from journeys import sessionise
     from journeys.simulate import simulate
 
     simulate(tmp_path / "raw", users=60, seed=3)
     config = tiny_config(tmp_path)
     calls: list[int] = []
-    original = ingest_lib.build_partition
+    original = sessionise.build_partition
 
     def flaky(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
@@ -308,7 +308,7 @@ def test_a_task_failing_once_is_retried_and_the_flow_succeeds(tmp_path: Path) ->
 
     with isolated(tmp_path) as mp:
         orchestrate(mp)
-        mp.setattr(ingest_lib, "build_partition", flaky)
+        mp.setattr(sessionise, "build_partition", flaky)
         report = ingest_flow(config=config)
     assert report["journeys"] > 0
     assert len(calls) == config.ingest.partitions + 1  # one partition ran twice
@@ -319,6 +319,7 @@ def test_ingest_retries_each_pass_once_over(tmp_path: Path) -> None:
     retries does not (the attempts would multiply)."""
     from flows.pipeline import ingest_flow
     from journeys import ingest as ingest_lib
+    from journeys import sessionise
     from journeys.simulate import simulate
 
     simulate(tmp_path / "raw", users=40, seed=6)
@@ -346,7 +347,7 @@ def test_ingest_retries_each_pass_once_over(tmp_path: Path) -> None:
         orchestrate(mp, retries=1, cache=False)
         mp.setattr(ingest_lib, "stage", stage)
         stage_calls = counting(mp, ingest_lib, "stage")
-        mp.setattr(ingest_lib, "build_partition", broken_build)
+        mp.setattr(sessionise, "build_partition", broken_build)
         with pytest.raises(OSError, match="disk full"):
             ingest_flow(config=config, full=True)  # nothing new: only a full one builds
     assert len(build_calls) == 2  # its own try and retry
@@ -355,7 +356,7 @@ def test_ingest_retries_each_pass_once_over(tmp_path: Path) -> None:
 
 def test_bad_input_is_not_retried(tmp_path: Path) -> None:
     from flows.pipeline import ingest_flow
-    from journeys import ingest as ingest_lib
+    from journeys import sessionise
     from journeys.simulate import simulate
 
     simulate(tmp_path / "raw", users=30, seed=4)
@@ -368,7 +369,7 @@ def test_bad_input_is_not_retried(tmp_path: Path) -> None:
 
     with isolated(tmp_path) as mp:
         orchestrate(mp)
-        mp.setattr(ingest_lib, "build_partition", bad)
+        mp.setattr(sessionise, "build_partition", bad)
         with pytest.raises(InputError, match="lack column"):
             ingest_flow(config=config)
     assert len(calls) == 1

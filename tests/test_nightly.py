@@ -21,8 +21,9 @@ from test_ingest import config_for as ingest_config_for
 from journeys.cli import main
 from journeys.config import parse_duration
 from journeys.datasets import check_not_stale, training_journeys
-from journeys.ingest import read_quarantine, run_ingest
-from journeys.manifest import MANIFEST_FILE
+from journeys.ingest import run_ingest
+from journeys.ingest_state import MANIFEST_FILE
+from journeys.staging import read_quarantine
 from journeys.vocab import Vocabularies
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
@@ -513,7 +514,7 @@ def test_the_manifests_hashing_stops_when_the_ingest_does(tmp_path: Path) -> Non
     import threading
     from concurrent.futures import CancelledError
 
-    from journeys.manifest import content_hash, fingerprints_meanwhile
+    from journeys.ingest_state import content_hash, fingerprints_meanwhile
 
     raw = tmp_path / "big.csv"
     raw.write_bytes(b"x" * (3 << 20))
