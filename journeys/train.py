@@ -1,6 +1,8 @@
 """`journeys train`: the training recipe, in the order it runs.
 
-`train_command` is the whole recipe; the sections below it follow its steps:
+`train_command` is the whole recipe; the sections below it follow its steps, each given
+the part of the configuration it reads (a section, or a value; the few that take the whole
+`Config` say why):
 
 1. **set up**: the journeys are trainable and the tracking store answers; one MLflow run
    (rank 0 only, also under DDP; reopened on `--resume`) gets the resolved config as
@@ -37,6 +39,7 @@ import os
 import sys
 import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +53,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from journeys import metrics as M
 from journeys import plots, tracking
+from journeys.baselines import BaselineSettings
 from journeys.config import redact_uri
 from journeys.datasets import (
     SPLITS,
@@ -78,8 +82,11 @@ from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_m
 from journeys.vocab import Vocabularies
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from contextlib import AbstractContextManager
+
     from journeys.baselines import Baseline, BaselineResult
-    from journeys.config import Config, Train
+    from journeys.config import Config, Model, Promotion, Train
     from journeys.stacking import Stack
     from journeys.tracking import Registration, TrackedRun
 
@@ -118,14 +125,7 @@ def train_command(
 
     `sizes` are `check_trainable`'s split sizes when the caller checked already.
     """
-    config = dataset_features(config)
-    if sizes is None:
-        sizes = check_trainable(
-            config.paths.journeys, config.data.features, config.split.fractions,
-            config.train.window_delta,
-        )  # fmt: skip
-    for warning in evaluation_warnings(sizes):
-        print(warning, file=sys.stderr)
+    config, sizes = trainable(config, sizes)
     # Per-file progress bars for a handful of small artifacts are noise in the log.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     root = Path(config.paths.checkpoints)
@@ -136,64 +136,45 @@ def train_command(
         return None
 
     # 1. set up
-    uri = tracking.tracking_uri(config)
+    uri, model_name = tracking.tracking_uri(config), config.mlflow.registered_model
     tracking.check_tracking_uri(uri)
-    resumed = resumable_run(config, uri) if resume else None
-    with tracking.mlflow_run(
-        uri,
-        config.mlflow.experiment,
-        run_id=resumed,
-        name=MODEL_FAMILY,
-        tags={tracking.MODEL_FAMILY_TAG: MODEL_FAMILY},
-    ) as run:
+    resumed = resumable_run(root, uri) if resume else None
+    with transformer_run(uri, config.mlflow.experiment, resumed) as run:
         checkpoint_dir = set_up(run, config, resumed is not None)
-        # 2. fit
-        try:
-            # Lightning's MLflow logger pins the process-wide URI: for the fit only.
-            with tracking.use_tracking_uri(uri):
-                fitted = fit(config, sizes, run.run_id, checkpoint_dir, resume)
-        except BaseException:
-            print(f"training stopped; continue with `journeys train --resume` (run {run.run_id})")
-            raise
+        # 2. fit (Lightning's MLflow logger pins the process-wide URI: for the fit only)
+        with resume_hint(run.run_id), tracking.use_tracking_uri(uri):
+            fitted = fit(config, sizes, run.run_id, checkpoint_dir, resume)
         best = load_best(fitted, checkpoint_dir)
         # The labelled journeys, read once for what follows (the baselines, the choice).
         journeys = training_journeys(config.paths.journeys, config.train.window_delta).collect()
-        # 3. evaluate
+        max_gap = config.journey.max_gap_delta
         print(f"evaluating {best} on val and test, logging the model")
-        with tempfile.TemporaryDirectory(prefix="journeys-eval-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="journeys-eval-") as tmp:  # plots, until logged
+            # 3. evaluate
             evaluation = evaluate(fitted, Path(tmp))
-            trained = TrainedModel(
-                model=fitted.module.model,
-                encoder=fitted.datamodule.encoder,
-                rules=JourneyRules.from_config(config),
-                temperature=evaluation.temperature,
-                quiet_survival=quiet_survival(journeys, config.journey.max_gap_delta),
-            )
+            rules = JourneyRules.from_config(config)  # what a journey is, kept with the model
+            trained = transformer_model(fitted, evaluation, rules, journeys, max_gap)
             metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
-            # 4. the other candidates: each baseline fitted on train (and logged as its own
-            # run), and the stack; every candidate scored on the same val and test journeys
+            # 4. the other candidates (the baselines, the stack), on the same journeys
             splits = in_data_module_order(journeys, fitted)
             baselines = run_baselines_beside(run, config, splits)
-            candidates = candidates_beside(config, splits, fitted, evaluation, baselines)
+            booster = BaselineSettings.from_config(config)  # the stack's, if no hgb baseline
+            candidates = candidates_beside(
+                config.train, config.model, booster, splits, fitted, evaluation, baselines
+            )
             # 5. choose among them on val (never on test), log and register
-            decision = choose(config, uri, candidates, splits["val"])
+            decision = choose(config.promotion, model_name, uri, candidates, splits["val"])
             trained = candidates.serving(trained, decision.kind)
-            trained.quiet_survival = in_flight_recalibration(trained, journeys, config)
+            trained.quiet_survival = in_flight_recalibration(trained, journeys, max_gap)
             metrics |= candidates.metrics(decision.kind)
             metrics |= {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
             registration, model_uri = log_and_register(
-                run, config, trained, evaluation, metrics, best, decision
+                run, model_name, trained, evaluation, metrics, best, decision
             )
-        write_state(root, {**read_state(root), "status": "done"})
-        print(
-            f"transformer run {run.run_id}: model version {registration.version} "
-            f"({decision.kind}); {decision.summary}"
-        )
+        mark_done(root, run.run_id, registration, decision)
         # 6. every model side by side on test: reported, never chosen on
         print_comparison(candidates.comparison(decision.kind), sizes["test"])
         flag_baselines_ahead(run, evaluation.metrics, baselines)
-
-    test = fitted.datamodule.splits["test"]
     return TrainResult(
         run_id=run.run_id,
         experiment_id=run.experiment_id,
@@ -205,7 +186,7 @@ def train_command(
         checkpoint=best,
         baselines=baselines,
         model_kind=decision.kind,
-        test_predictions=predictions(test, evaluation.test_logits),
+        test_predictions=predictions(fitted.datamodule.splits["test"], evaluation.test_logits),
     )
 
 
@@ -223,13 +204,34 @@ def predictions(split: EncodedJourneys, logits: np.ndarray) -> pl.DataFrame:
 # ----------------------------------------------------------------------------- 1. set up
 
 
-def resumable_run(config: Config, uri: str) -> str:
-    """The id of the interrupted run `--resume` continues; `JourneysError` when there is
-    none (no state, a finished run, a run not in this store)."""
+def trainable(
+    config: Config, sizes: dict[str, dict[str, int]] | None
+) -> tuple[Config, dict[str, dict[str, int]]]:
+    """`config` with the features its journeys were ingested with (`dataset_features`), and
+    the journeys' split sizes, checked trainable (`check_trainable`) unless the caller gave
+    them; a warning for val or test with too few conversions.
+
+    Takes the whole `Config`: it returns it resolved, for every step after it.
+    """
+    config = dataset_features(config)
+    if sizes is None:
+        sizes = check_trainable(
+            config.paths.journeys, config.data.features, config.split.fractions,
+            config.train.window_delta,
+        )  # fmt: skip
+    for warning in evaluation_warnings(sizes):
+        print(warning, file=sys.stderr)
+    return config, sizes
+
+
+def resumable_run(root: Path, uri: str) -> str:
+    """The id of the interrupted run `--resume` continues, from the state in `root`
+    (`paths.checkpoints`); `JourneysError` when there is none (no state, a finished run, a
+    run not in this store)."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    state = read_state(Path(config.paths.checkpoints))
+    state = read_state(root)
     if state.get("status") == "done":
         raise JourneysError(
             f"nothing to resume: run {state['run_id']} finished (start with `journeys train`)"
@@ -244,9 +246,21 @@ def resumable_run(config: Config, uri: str) -> str:
     return str(state["run_id"])
 
 
+def transformer_run(
+    uri: str, experiment: str, run_id: str | None
+) -> AbstractContextManager[TrackedRun | None]:
+    """The transformer's MLflow run in `experiment` (`tracking.mlflow_run`): a new one, or
+    `run_id` reopened (`--resume`)."""
+    tags = {tracking.MODEL_FAMILY_TAG: MODEL_FAMILY}
+    return tracking.mlflow_run(uri, experiment, run_id=run_id, name=MODEL_FAMILY, tags=tags)
+
+
 def set_up(run: TrackedRun, config: Config, resumed: bool) -> Path:
     """Log the config (and, for a new run, the ingest report) and record the run beside its
-    checkpoints for `--resume`; return the checkpoint folder."""
+    checkpoints for `--resume`; return the checkpoint folder.
+
+    Takes the whole `Config`: all of it is logged as the run's params.
+    """
     root = Path(config.paths.checkpoints)
     tracking.log_config(run, config)
     if resumed:
@@ -296,6 +310,16 @@ class Fitted:
     checkpoint: ModelCheckpoint
 
 
+@contextmanager
+def resume_hint(run_id: str) -> Iterator[None]:
+    """However the fit stops early (an error, Ctrl+C), say how to continue it."""
+    try:
+        yield
+    except BaseException:
+        print(f"training stopped; continue with `journeys train --resume` (run {run_id})")
+        raise
+
+
 def fit(
     config: Config,
     sizes: dict[str, dict[str, int]],
@@ -303,7 +327,12 @@ def fit(
     checkpoint_dir: Path | None,
     resume: bool,
 ) -> Fitted:
-    """Build the Lightning pieces and fit (on every rank); epoch metrics go to `run_id`."""
+    """Build the Lightning pieces and fit (on every rank); epoch metrics go to `run_id`.
+
+    Takes the whole `Config`: the Trainer (`build_trainer`) and the data module
+    (`JourneyDataModule.from_config`) are built from it, and the model and its logger read
+    `model`, `journey`, `data` and `mlflow` besides `train`.
+    """
     from lightning.pytorch.loggers import MLFlowLogger
 
     L.seed_everything(config.train.seed, workers=True, verbose=False)
@@ -473,6 +502,24 @@ def prefix_metrics(
     return out
 
 
+def transformer_model(
+    fitted: Fitted,
+    evaluation: Evaluation,
+    rules: JourneyRules,
+    journeys: pl.DataFrame,
+    max_gap: timedelta,
+) -> TrainedModel:
+    """The fitted transformer as the model to log: its encoder, the journey `rules`, the
+    temperature fitted on val and the train journeys' quiet times (`quiet_survival`)."""
+    return TrainedModel(
+        model=fitted.module.model,
+        encoder=fitted.datamodule.encoder,
+        rules=rules,
+        temperature=evaluation.temperature,
+        quiet_survival=quiet_survival(journeys, max_gap),
+    )
+
+
 def quiet_survival(journeys: pl.DataFrame, max_gap: timedelta) -> QuietSurvival | None:
     """How long the train split's journeys stay quiet, by outcome: stored with the model
     to score open journeys (`journeys.in_flight`)."""
@@ -480,17 +527,17 @@ def quiet_survival(journeys: pl.DataFrame, max_gap: timedelta) -> QuietSurvival 
 
 
 def in_flight_recalibration(
-    trained: TrainedModel, journeys: pl.DataFrame, config: Config
+    trained: TrainedModel, journeys: pl.DataFrame, max_gap: timedelta
 ) -> QuietSurvival | None:
     """The served model's quiet-time curves, recalibrated on open journeys replayed in the
-    val window and scored by what it serves (`journeys.in_flight.recalibrate_in_flight`)."""
+    val window and scored by what it serves (`journeys.in_flight.recalibrate_in_flight`);
+    `max_gap` is `journey.max_gap`."""
     survival = trained.quiet_survival
     if survival is None:
         return None
     recalibrated = recalibrate_in_flight(
-        survival, journeys, trained.predict_proba, trained.encoder.event_columns,
-        config.journey.max_gap_delta,
-    )  # fmt: skip
+        survival, journeys, trained.predict_proba, trained.encoder.event_columns, max_gap
+    )
     if recalibrated.recalibration is not None:
         a, b, c = recalibrated.recalibration
         print(
@@ -529,8 +576,12 @@ def in_data_module_order(journeys: pl.DataFrame, fitted: Fitted) -> dict[str, pl
 def run_baselines_beside(
     run: TrackedRun, config: Config, splits: dict[str, pl.DataFrame]
 ) -> dict[str, BaselineResult]:
-    """The configured baselines, fitted on the train journeys and logged in the same
-    experiment, tagged with the transformer run's id (their comparison group)."""
+    """The configured baselines (`train.baselines`), fitted on the train journeys and logged
+    in the same experiment, tagged with the transformer run's id (their comparison group).
+
+    Takes the whole `Config`: each baseline's run logs all of it as params
+    (`journeys.baselines.run_baselines`).
+    """
     from journeys.baselines import run_baselines
 
     results = []
@@ -602,7 +653,9 @@ class Candidates:
 
 
 def candidates_beside(
-    config: Config,
+    settings: Train,
+    model: Model,
+    booster_settings: BaselineSettings,
     splits: dict[str, pl.DataFrame],
     fitted: Fitted,
     evaluation: Evaluation,
@@ -611,15 +664,16 @@ def candidates_beside(
     """The transformer, the stack (`train.stack`, journey-level models) and each baseline,
     with honest val probabilities (`journeys.promotion`): the transformer's epoch and
     temperature, and the stack's calibration, are chosen and fitted on one half of val for
-    the other."""
+    the other. `booster_settings` configure the stack's booster when no `hgb_aggregates`
+    baseline ran; `settings.seed` draws the val halves."""
     from journeys import promotion
-    from journeys.baselines import BaselineSettings, fit_baseline
+    from journeys.baselines import fit_baseline
     from journeys.metrics import logit
     from journeys.stacking import blended, fit_stack, platt
 
     val, test = splits["val"], splits["test"]
     labels = val.get_column("label").to_numpy().astype(np.int64)
-    folds = promotion.val_folds(labels, config.train.seed)
+    folds = promotion.val_folds(labels, settings.seed)
     history = np.stack([h.numpy() for h in fitted.module.val_history] or [evaluation.val_logits])
 
     def transformer_fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
@@ -635,13 +689,12 @@ def candidates_beside(
     test_labels = test.get_column("label").to_numpy().astype(np.int64)
     heads: dict[str, Stack | Baseline | None] = {TRANSFORMER: None}
     models = {name: run.model for name, run in baselines.items()}
-    if config.train.stack and not config.model.causal:
+    if settings.stack and not model.causal:
         if "hgb_aggregates" in baselines:  # its run scored val and test already
             run = baselines["hgb_aggregates"]
             booster, booster_val, booster_test = run.model, run.val_scores, run.test_scores
         else:  # the stack's booster, when the run has no such baseline
-            settings = BaselineSettings.from_config(config)
-            booster = fit_baseline("hgb_aggregates", splits["train"], settings)
+            booster = fit_baseline("hgb_aggregates", splits["train"], booster_settings)
             booster_val, booster_test = booster.predict_proba(val), booster.predict_proba(test)
         booster_val, booster_test = logit(booster_val), logit(booster_test)
         print("stack: the transformer blended with gradient boosting on journey aggregates")
@@ -676,28 +729,37 @@ def candidates_beside(
     return Candidates(labels, val_columns, served_val, test_labels, test_scores, heads)
 
 
-def choose(config: Config, uri: str, candidates: Candidates, val: pl.DataFrame) -> Decision:
-    """Which candidate is registered and whether it becomes the champion, decided on the
-    `val` journeys alone (`journeys.promotion`): against chance, one another and the
-    champion."""
+def choose(
+    promotion: Promotion,
+    registered_model: str,
+    uri: str,
+    candidates: Candidates,
+    val: pl.DataFrame,
+) -> Decision:
+    """Which candidate is registered and whether it becomes the champion of
+    `registered_model`, decided on the `val` journeys alone (`journeys.promotion`): against
+    chance, one another and the champion."""
     return decide(
         candidates.val_labels,
         candidates.val,
-        champion_val_scores(config, uri, val),
-        config.promotion,
+        champion_val_scores(registered_model, uri, val),
+        promotion,
         served=candidates.served_val,
     )
 
 
-def champion_val_scores(config: Config, uri: str, val: pl.DataFrame) -> np.ndarray | float | None:
-    """The current champion's scores on this run's val journeys (None: no champion yet),
-    or its logged val ROC AUC when it cannot score them (a model of other features)."""
-    name = config.mlflow.registered_model
-    version = tracking.champion_version(uri, name)
+def champion_val_scores(
+    registered_model: str, uri: str, val: pl.DataFrame
+) -> np.ndarray | float | None:
+    """The current champion of `registered_model`: its scores on this run's val
+    journeys (None: no champion yet), or its logged val ROC AUC when it cannot score them
+    (a model of other features)."""
+    version = tracking.champion_version(uri, registered_model)
     if version is None:
         return None
+    champion_uri = f"models:/{registered_model}/{version.version}"
     try:
-        return load_model(f"models:/{name}/{version.version}", tracking_uri=uri).predict_proba(val)
+        return load_model(champion_uri, tracking_uri=uri).predict_proba(val)
     except Exception as err:
         logged = tracking.logged_val_roc_auc(uri, version)
         print(
@@ -710,16 +772,16 @@ def champion_val_scores(config: Config, uri: str, val: pl.DataFrame) -> np.ndarr
 
 def log_and_register(
     run: TrackedRun,
-    config: Config,
+    registered_model: str,
     trained: TrainedModel,
     evaluation: Evaluation,
     metrics: dict[str, float],
     best: str,
     decision: Decision,
 ) -> tuple[Registration, str]:
-    """Log metrics, plots, the decision and the model to the run, and register the model
-    (the `champion` alias moves as `decision` says); return the registration and the
-    logged model's URI."""
+    """Log metrics, plots, the decision and the model to the run, and register the model as
+    `registered_model` (the `champion` alias moves as `decision` says); return the
+    registration and the logged model's URI."""
     run.log_metrics(metrics)
     for path in evaluation.plots.values():
         run.log_artifact(path, "plots")
@@ -727,10 +789,18 @@ def log_and_register(
     run.set_tags({tracking.BEST_CHECKPOINT_TAG: best})
     with run.active():
         info = log_model(trained)
-    registration = tracking.register_model(
-        run, info.model_uri, config.mlflow.registered_model, decision
-    )
+    registration = tracking.register_model(run, info.model_uri, registered_model, decision)
     return registration, info.model_uri
+
+
+def mark_done(root: Path, run_id: str, registration: Registration, decision: Decision) -> None:
+    """Record the training as finished in `root` (nothing left to `--resume`) and say what
+    it registered."""
+    write_state(root, {**read_state(root), "status": "done"})
+    print(
+        f"transformer run {run_id}: model version {registration.version} "
+        f"({decision.kind}); {decision.summary}"
+    )
 
 
 # ----------------------------------------------------------------------------- 6. compare
