@@ -122,10 +122,10 @@ def night(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]
     return {
         "ingest_s": ingested - started,
         "score_s": done - ingested,
-        "rows_read": report["ingest"]["rows_read"],
-        "journeys": report["journeys"],
+        "rows_read": report.ingest.rows_read,
+        "journeys": report.journeys,
         "scored_now": scored.rows - scored.kept,
-        "late": report["quarantined"]["late"],
+        "late": report.quarantined["late"],
     }
 
 

@@ -165,7 +165,7 @@ def main() -> None:
             ],
         )
     ).report
-    events = report["ingest"]["rows_read"]
+    events = report.ingest.rows_read
     model = random_model(first / "journeys")
 
     runs: dict[int, list[dict[str, float]]] = {1: [], 2: []}

@@ -48,7 +48,7 @@ def child(csv: str, out: str, guards: str) -> None:
         overrides += GUARDS_OFF
     config = load_config(CONFIG, overrides)
     start = time.perf_counter()
-    report = run_ingest(config).report
+    report = run_ingest(config).report.to_json()
     wall = time.perf_counter() - start
     keys = ("rows_read", "duplicates_dropped", "quarantined_total", "journeys")
     print(json.dumps({"wall_s": wall, **{k: report[k] for k in keys}}))

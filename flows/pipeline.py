@@ -307,13 +307,13 @@ def ingest_task(config: Config, key: str, full: bool = False) -> dict[str, Any]:
     )
     get_run_logger().info(
         "ingested %s rows from %d file(s) in %d partition(s)",
-        f"{result.report['rows_read']:,}",
-        len(result.report["sources"]),
-        result.report["partitions"],
+        f"{result.report.rows_read:,}",
+        len(result.report.sources),
+        result.report.partitions,
     )
     write_marker(config.paths.journeys, key)
     write_marker(config.paths.quarantine, key)
-    return result.report
+    return result.report.to_json()
 
 
 @flow(name="ingest")

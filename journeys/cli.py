@@ -63,13 +63,13 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 def cmd_ingest(args: argparse.Namespace) -> None:
     from journeys.events import resolve_sources
-    from journeys.ingest import ingest
+    from journeys.ingest import run_ingest
     from journeys.ingest_report import print_report
 
     config = _config(args)
     resolve_sources(config.paths.raw)  # a missing input fails before any lock or folder
     with stage_lock(config, "ingest"):
-        report = ingest(config, full=args.full)
+        report = run_ingest(config, full=args.full).report
     print_report(report)
 
 

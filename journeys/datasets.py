@@ -13,6 +13,7 @@ that run before training use it without importing torch.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,104 @@ def is_journeys_dataset(path: str | Path) -> bool:
         return False  # unreadable: let the raw-log reader name the problem
 
 
+def _iso(value: Any) -> str:
+    return value.isoformat() if isinstance(value, datetime) else str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """What one ingest run did (the report's `ingest`): its mode, the files and rows it
+    read (their accounting holds on its own) and the journeys it added, extended (more
+    events) and closed."""
+
+    mode: str  # full | incremental
+    why: str
+    run: int
+    new_files: list[str] = field(default_factory=list)
+    rows_read: int = 0
+    rows_valid: int = 0
+    quarantined_total: int = 0
+    late: int = 0
+    duplicates_dropped: int = 0
+    dropped_by_config: int = 0
+    journeys_added: int = 0
+    journeys_extended: int = 0
+    journeys_closed: int = 0
+    journeys_open: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestReport:
+    """`ingest_report.json`, beside the journeys: what every ingest run so far read, kept,
+    quarantined and built (`journeys.ingest_report.make_report` sums it from the manifest),
+    what the last run did (`ingest`) and what looks wrong (`warnings`, each with its fix).
+
+    Every stage reads it through `IngestReport.read`; the file holds `to_json()`. Always
+    `rows_read == rows_valid + quarantined_total + duplicates_dropped + dropped_by_config`.
+    """
+
+    rows_read: int
+    rows_valid: int
+    quarantined: dict[str, int]  # reason -> rows
+    quarantined_total: int
+    duplicates_dropped: int
+    dropped_by_config: int  # drop_events, exclude_users and after a conversion
+    dropped_after_conversion: int = 0
+    journeys: int
+    journeys_converted: int
+    journeys_censored: int
+    journeys_by_split: dict[str, int]  # train, val, test and none
+    # converted, but as recent as the censored ones: split none (ingest.unsplit_expr)
+    journeys_converted_near_end: int = 0
+    conversions_without_journey: int = 0
+    repeat_conversions: int = 0  # conversions straight after a conversion of the same visit
+    events_in_journeys: int = 0
+    events_kept: int = 0  # within journey.max_events
+    users: int = 0
+    data_start: datetime | None = None  # the first valid event
+    data_end: datetime | None = None  # the last valid event
+    # Until when conversions were recorded: `data.observed_until`, else the last event.
+    # Censoring counts from it, and so does an open journey's quiet time at scoring.
+    observed_until: datetime | None = None
+    partitions: int = 0
+    # feature -> split -> share of the split's kept events holding a value
+    feature_presence: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    sources: list[str] = field(default_factory=list)
+    by_source: dict[str, dict[str, Any]] = field(default_factory=dict)
+    max_gap: str | None = None  # journey.max_gap, as configured
+    split_fractions: list[float] | None = None  # what the split was made with
+    ingest: RunSummary | None = None  # what the last run did
+    short_export: str | None = None  # most journeys unsplit: the fix train refuses with
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def outcomes_until(self) -> datetime | None:
+        """Until when conversions were recorded (`observed_until`, else the last event)."""
+        return self.observed_until or self.data_end
+
+    def to_json(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self), default=_iso))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> IngestReport:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}  # an older report's extras
+        for name in ("data_start", "data_end", "observed_until"):
+            if values.get(name):
+                values[name] = datetime.fromisoformat(str(values[name]))
+        if isinstance(values.get("ingest"), dict):
+            values["ingest"] = RunSummary(**values["ingest"])
+        return cls(**values)
+
+    @classmethod
+    def read(cls, folder: str | Path) -> IngestReport | None:
+        """The report beside the journeys in `folder`, or None when there is none."""
+        path = Path(folder) / REPORT_FILE
+        if not path.exists():
+            return None
+        return cls.from_json(json.loads(path.read_text()))
+
+
 def training_journeys(folder: str | Path, window: timedelta | None = None) -> pl.LazyFrame:
     """The labelled journeys training reads; with `window` (`train.window`), those that
     ended within it of the data's end, so a weekly retrain over nightly ingests reads a
@@ -154,11 +253,10 @@ def training_journeys(folder: str | Path, window: timedelta | None = None) -> pl
     journeys = labelled(scan_journeys(folder)).sort("journey_id")
     if window is None:
         return journeys
-    report = Path(folder) / REPORT_FILE
-    end = json.loads(report.read_text()).get("data_end") if report.exists() else None
-    if end is None:
+    report = IngestReport.read(folder)
+    if report is None or report.data_end is None:
         raise InputError(f"train.window needs the ingest report beside the journeys at {folder}")
-    return journeys.filter(pl.col("end_time") >= datetime.fromisoformat(end) - window)
+    return journeys.filter(pl.col("end_time") >= report.data_end - window)
 
 
 def split_sizes(folder: str | Path, window: timedelta | None = None) -> dict[str, dict[str, int]]:
@@ -247,11 +345,13 @@ def check_split_setting(folder: Path, fractions: tuple[float, ...] | None) -> No
     """`InputError` when `split.fractions` differs from the shares the journeys were split
     with: the split is made at ingest, so a training-time setting would not act (and would
     be logged as if it had)."""
-    path = folder / "ingest_report.json"
-    if fractions is None or not path.exists():
-        return
-    split = json.loads(path.read_text()).get("split_fractions")
-    if split is None or all(abs(a - b) < 1e-9 for a, b in zip(split, fractions, strict=True)):
+    report = IngestReport.read(folder) if fractions is not None else None
+    split = report.split_fractions if report is not None else None
+    if (
+        fractions is None
+        or split is None
+        or all(abs(a - b) < 1e-9 for a, b in zip(split, fractions, strict=True))
+    ):
         return
     shares = "/".join(f"{f:g}" for f in fractions)
     made = "/".join(f"{f:g}" for f in split)
@@ -278,10 +378,8 @@ def unsplit_problem(folder: str | Path) -> str | None:
     """The ingest's short-export warning (most journeys unsplit: `journey.max_gap` long
     against the data's span) when it gave one: the real fix for an empty or one-class
     split. None otherwise, or for journeys ingested before the warning existed."""
-    path = Path(folder) / REPORT_FILE
-    if not path.exists():
-        return None
-    return json.loads(path.read_text()).get("short_export")
+    report = IngestReport.read(folder)
+    return report.short_export if report is not None else None
 
 
 def evaluation_warnings(sizes: dict[str, dict[str, int]]) -> list[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,8 @@ from journeys.datasets import (
     NO_SPLIT,
     OPEN_PART,
     REPORT_FILE,
+    IngestReport,
+    RunSummary,
     clear_failed_ingest,
     read_journeys,
     record_failed_ingest,
@@ -47,7 +49,7 @@ from journeys.ingest_checks import (
     require_conversions,
     warn_unmatched_event_map,
 )
-from journeys.ingest_report import make_report, read_ingest_report, run_summary
+from journeys.ingest_report import make_report, run_summary
 from journeys.ingest_state import (
     Cuts,
     IngestState,
@@ -161,7 +163,7 @@ def moved_ranges(old: Cuts, new: Cuts) -> list[tuple[datetime | None, datetime |
 
 @dataclass(frozen=True)
 class IngestResult:
-    report: dict[str, Any]
+    report: IngestReport
     journeys_folder: Path
     quarantine_folder: Path
     vocabularies: Vocabularies = field(repr=False)
@@ -313,17 +315,19 @@ def finish(
             quarantined=staged.quarantined,
             event_map_matched=matched,
         )
-        report = make_report(manifest, total, parts, observed_until)
-        report["max_gap"] = config.journey.max_gap
-        report["split_fractions"] = list(config.split.fractions)  # train checks it acted
-        report["ingest"] = run_summary(this_run, staged, total - state.total, opened, new_finished)
-        add_warnings(
+        report = make_report(
+            manifest, total, parts, observed_until,
+            max_gap=config.journey.max_gap,
+            split_fractions=list(config.split.fractions),  # train checks it acted
+            this_run=run_summary(this_run, staged, total - state.total, opened, new_finished),
+        )  # fmt: skip
+        report = add_warnings(
             config, report, staged.features_left_out, staged.quarantined.get("late", 0),
             [p.top_user for p in parts if p.top_user], sum(p.events for p in parts),
         )  # fmt: skip
         write_quarantine(config, staged, quarantine_folder, run)
         vocabularies.save(folder)
-        write_json(report, folder / REPORT_FILE)
+        write_json(report.to_json(), folder / REPORT_FILE)
         manifest.save(folder)
     return IngestResult(report, journeys_folder, quarantine_folder, vocabularies)
 
@@ -421,15 +425,17 @@ def _run_ingest(
 def up_to_date(state: IngestState, quarantine_folder: Path) -> IngestResult:
     """No new raw file: the journeys stand as they are (nothing is read or written)."""
     folder = state.folder
-    assert folder is not None  # only an earlier ingest can be up to date
-    report = read_ingest_report(folder)
-    report["ingest"] = {
-        "mode": "incremental", "why": "no new raw file: nothing to do",
-        "run": state.manifest.run, "new_files": [], "rows_read": 0,
-    }  # fmt: skip
+    report = IngestReport.read(folder) if folder is not None else None
+    if folder is None or report is None:  # a manifest without its report: not ours
+        raise InputError(f"no ingest report beside the journeys at {folder}: run `--full`")
+    run = RunSummary(
+        mode="incremental", why="no new raw file: nothing to do", run=state.manifest.run
+    )
+    report = replace(report, ingest=run)
     return IngestResult(report, folder, quarantine_folder, Vocabularies.load(folder))
 
 
 def ingest(config: Config, full: bool = False) -> dict[str, Any]:
-    """`journeys ingest`: returns the report (also written beside the journeys)."""
-    return run_ingest(config, full=full).report
+    """`journeys ingest`: returns the report as the file beside the journeys holds it (and
+    as the flows return it)."""
+    return run_ingest(config, full=full).report.to_json()

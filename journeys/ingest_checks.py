@@ -6,13 +6,13 @@ could mistake for real ones are refused; odd but possible ones are warned about.
 from __future__ import annotations
 
 import sys
-from datetime import datetime
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
-from journeys.datasets import NO_SPLIT
+from journeys.datasets import NO_SPLIT, IngestReport
 from journeys.errors import InputError
 from journeys.events import REASON, TS, format_that_reads
 
@@ -128,22 +128,22 @@ def require_conversions(
 
 def add_warnings(
     config: Config,
-    report: dict[str, Any],
+    report: IngestReport,
     features_left_out: list[str],
     late: int,
     top_users: list[tuple[str, int]],
     events: int,
-) -> None:
-    """The report's `short_export` and `warnings` (each with its figures and its fix):
-    `late` rows quarantined by this run, each partition's user with the most events of
-    the `events` kept."""
-    unsplit = report["journeys_by_split"][NO_SPLIT]
-    short = report["journeys"] and unsplit / report["journeys"] > config.ingest.warn_unsplit_share
+) -> IngestReport:
+    """The report with its `short_export` and `warnings` (each with its figures and its
+    fix): `late` rows quarantined by this run, each partition's user with the most events
+    of the `events` kept."""
+    unsplit = report.journeys_by_split[NO_SPLIT]
+    short = report.journeys and unsplit / report.journeys > config.ingest.warn_unsplit_share
     # A short export, apart: `train` refuses an empty split with it (datasets.check_trainable).
-    report["short_export"] = unsplit_warning(report) if short else None
+    short_export = unsplit_warning(report) if short else None
     left_out = features_left_out
-    report["warnings"] = [
-        *([report["short_export"]] if short else []),
+    warnings = [
+        *([short_export] if short_export else []),
         *report_warnings(config, report, top_users, events),
         *(
             [f"the default features {left_out} are not in the log: ingested without them "
@@ -157,19 +157,20 @@ def add_warnings(
             if late else []
         ),
     ]  # fmt: skip
+    return replace(report, short_export=short_export, warnings=warnings)
 
 
 def report_warnings(
-    config: Config, report: dict[str, Any], top_users: list[tuple[str, int]], events: int
+    config: Config, report: IngestReport, top_users: list[tuple[str, int]], events: int
 ) -> list[str]:
     """What looks wrong in a log though no row is, each with its figures and its fix (the
     short export apart: `unsplit_warning`)."""
     settings, warnings = config.ingest, []
-    conversions = sum(source["conversions"] for source in report["by_source"].values())
-    repeats = report.get("repeat_conversions", 0)
+    conversions = sum(source["conversions"] for source in report.by_source.values())
+    repeats = report.repeat_conversions
     if config.journey.repeat_conversions == "new_journey":
         repeats = 0  # touches of the next journey: none of them is an orphan
-    orphans = report["conversions_without_journey"] - repeats
+    orphans = report.conversions_without_journey - repeats
     share = settings.warn_orphan_conversion_share
     if conversions and repeats / conversions > share:
         warnings.append(
@@ -187,7 +188,7 @@ def report_warnings(
             "data.columns.user_id, or shorten journey.max_gap if they come long after the "
             "touches"
         )
-    if events and top_users and report["users"] >= MIN_USERS_FOR_SKEW:
+    if events and top_users and report.users >= MIN_USERS_FOR_SKEW:
         user, count = max(top_users, key=lambda top: top[1])
         if count / events > settings.warn_top_user_share:
             warnings.append(
@@ -195,10 +196,8 @@ def report_warnings(
                 "a placeholder for unknown users? list it in data.exclude_users (its rows are "
                 "then dropped and counted)"
             )
-    warnings += source_quarantine_warnings(
-        report["by_source"], settings.warn_source_quarantine_factor
-    )
-    warnings += feature_split_warnings(report.get("feature_presence", {}), settings)
+    warnings += source_quarantine_warnings(report.by_source, settings.warn_source_quarantine_factor)
+    warnings += feature_split_warnings(report.feature_presence, settings)
     return warnings
 
 
@@ -254,18 +253,16 @@ def source_quarantine_warnings(by_source: dict[str, dict[str, Any]], factor: flo
     return warnings
 
 
-def unsplit_warning(report: dict[str, Any]) -> str:
+def unsplit_warning(report: IngestReport) -> str:
     """Most journeys end too near the data's end to be labelled: the log is short against
     `journey.max_gap`. The same line `train` refuses with."""
-    journeys, unsplit = report["journeys"], report["journeys_by_split"][NO_SPLIT]
+    journeys, unsplit = report.journeys, report.journeys_by_split[NO_SPLIT]
     span = "?"
-    if report.get("data_start") and report.get("data_end"):
-        start = datetime.fromisoformat(str(report["data_start"]))
-        end = datetime.fromisoformat(str(report["data_end"]))
-        span = f"{(end - start).total_seconds() / 86400:.1f} days"
+    if report.data_start and report.data_end:
+        span = f"{(report.data_end - report.data_start).total_seconds() / 86400:.1f} days"
     return (
         f"{unsplit:,} of {journeys:,} journeys ({unsplit / journeys:.0%}) take no split: they "
-        f"end within journey.max_gap ({report.get('max_gap', '?')}) of the data's end, and the "
+        f"end within journey.max_gap ({report.max_gap or '?'}) of the data's end, and the "
         f"log spans {span}; lower journey.max_gap (a session log: 30m to 1d), or set "
         "data.observed_until if the outcomes are known to a later moment"
     )

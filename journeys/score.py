@@ -73,6 +73,7 @@ from journeys.datasets import (
     PART_FILE,
     REPORT_FILE,
     UTC_US,
+    IngestReport,
     check_not_stale,
     chunk_facts,
     count_rows,
@@ -213,7 +214,7 @@ class ScoreResult:
     attention: str
     seconds: float
     input: str
-    ingest_report: dict[str, Any] | None = None
+    ingest_report: IngestReport | None = None
     run_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     as_of: datetime | None = None  # the moment the journeys were scored as of
@@ -641,12 +642,10 @@ def shared_cores(score: ScoreChunk, workers: int | None) -> Iterator[ScoreChunk]
 def data_end(folder: Path, parts: list[Path]) -> datetime:
     """The end of a journeys dataset's data: until when its ingest saw conversions
     (`data.observed_until`, else the last event), else its last journey's end."""
-    report = folder / REPORT_FILE
-    if report.exists():
-        stored = json.loads(report.read_text())
-        moment = stored.get("observed_until") or stored.get("data_end")
-        if moment:
-            return datetime.fromisoformat(str(moment)).astimezone(UTC)
+    report = IngestReport.read(folder)
+    moment = report.outcomes_until if report is not None else None
+    if moment is not None:
+        return moment.astimezone(UTC)
     frame = pl.scan_parquet(parts)
     end = (
         pl.col("end_time")
@@ -694,7 +693,7 @@ def score_input(
     progress: bool = True,
     as_of: datetime | None = None,
     map_chunks: MapChunks | None = None,
-) -> tuple[Scored, dict[str, Any] | None]:
+) -> tuple[Scored, IngestReport | None]:
     """Score a journeys folder, or ingest a raw log with the model's settings and score it,
     as the journeys stood at `as_of` (default: the end of the data).
 
@@ -880,10 +879,10 @@ def _print_summary(result: ScoreResult) -> None:
     if result.ingest_report:
         report = result.ingest_report
         print(
-            f"  ingested {report['rows_read']:,} raw rows with the model's settings: "
-            f"{report['quarantined_total']:,} quarantined (in {quarantine_beside(result.out)}), "
-            f"{report['duplicates_dropped']:,} duplicates, "
-            f"{report['dropped_by_config']:,} dropped by config"
+            f"  ingested {report.rows_read:,} raw rows with the model's settings: "
+            f"{report.quarantined_total:,} quarantined (in {quarantine_beside(result.out)}), "
+            f"{report.duplicates_dropped:,} duplicates, "
+            f"{report.dropped_by_config:,} dropped by config"
         )
 
 
@@ -916,7 +915,7 @@ def log_scoring(run: TrackedRun, result: ScoreResult) -> None:
             }
         )
         if result.ingest_report:
-            run.log_dict(result.ingest_report, REPORT_FILE)
+            run.log_dict(result.ingest_report.to_json(), REPORT_FILE)
     except Exception as err:
         _warn(f"logging the scoring run to MLflow failed: {first_line(err)}")
 

@@ -12,7 +12,6 @@ MLflow is imported inside functions: `journeys ui` and the fail-fast checks stay
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from journeys.config import Config, is_redacted, redact_uri
-from journeys.datasets import REPORT_FILE
+from journeys.datasets import REPORT_FILE, IngestReport
 from journeys.errors import ConfigError, InputError, JourneysError, first_line, run_status
 from journeys.processes import run_supervised
 
@@ -316,11 +315,11 @@ def ingest_counts(report: dict[str, Any]) -> dict[str, float]:
 
 def log_ingest_report(run: TrackedRun, journeys_folder: str | Path) -> None:
     """The ingest report as an artifact, and its counts as metrics (comparable across runs)."""
-    path = Path(journeys_folder) / REPORT_FILE
-    if not path.exists():
+    report = IngestReport.read(journeys_folder)
+    if report is None:
         return  # a dataset built by hand may have none; training does not need it
-    run.log_artifact(path)
-    run.log_metrics(ingest_counts(json.loads(path.read_text())))
+    run.log_artifact(Path(journeys_folder) / REPORT_FILE)
+    run.log_metrics(ingest_counts(report.to_json()))
 
 
 # ----------------------------------------------------------------------------- registry

@@ -52,12 +52,12 @@ def test_a_conversion_flag_column_labels_the_journey_of_its_touch(tmp_path: Path
     result = run_ingest(ad_clicks_config(tmp_path))
     report, journeys = result.report, result.journeys
     assert_accounting(report)
-    assert report["rows_read"] == report["rows_valid"] == clicks.height
+    assert report.rows_read == report.rows_valid == clicks.height
     # Every flagged click converts its journey; every click stays in a journey's sequence.
-    assert report["journeys_converted"] == flagged.height > 100
+    assert report.journeys_converted == flagged.height > 100
     assert journeys["n_events_total"].sum() == clicks.height
-    (source,) = report["sources"]
-    assert report["by_source"][source] == {
+    (source,) = report.sources
+    assert report.by_source[source] == {
         "rows": clicks.height,
         "quarantined": 0,
         "quarantined_by_reason": {},
@@ -163,9 +163,9 @@ def test_column_aliases_read_a_folder_whose_header_changed(tmp_path: Path) -> No
     assert_accounting(report)
     days = sorted(folder.glob("*.csv"))
     rows = {str(p): pl.read_csv(p).height for p in days}
-    assert {s: c["rows"] for s, c in report["by_source"].items()} == rows
-    assert report["quarantined_total"] == 0
-    assert report["users"] == 40  # one user, whatever the header called the column
+    assert {s: c["rows"] for s, c in report.by_source.items()} == rows
+    assert report.quarantined_total == 0
+    assert report.users == 40  # one user, whatever the header called the column
     # The last day has no device column: its events carry a missing device, not an error.
     events = journeys.select("event_time", "device").explode("event_time", "device")
     last_day = pl.col("event_time") >= pl.datetime(2017, 11, 8, time_zone="UTC")
@@ -231,7 +231,7 @@ def test_an_hour_only_timestamp_format_reads(tmp_path: Path) -> None:
         "data.timezone=Europe/Paris", "ingest.require_conversions=false",
     )  # fmt: skip
     result = run_ingest(config)
-    assert result.report["quarantined_total"] == 0
+    assert result.report.quarantined_total == 0
     (journey,) = result.journeys.iter_rows(named=True)
     assert [t.strftime("%d %H:%M") for t in journey["event_time"]] == ["02 08:00", "02 09:00"]
     assert journey["end_time"].strftime("%d %H:%M") == "02 22:00"  # the purchase, 23h Paris
@@ -249,7 +249,7 @@ def test_without_timestamp_format_the_error_shows_a_value_and_the_setting(
 def test_iso_8601_without_seconds_and_with_any_offset_is_read(tmp_path: Path) -> None:
     config = config_for(SHAPES / "iso_minutes.csv", tmp_path, "data.features=[]")
     result = run_ingest(config)
-    assert result.report["quarantined_total"] == 0
+    assert result.report.quarantined_total == 0
     (journey,) = result.journeys.iter_rows(named=True)
     assert [t.strftime("%H:%M:%S") for t in journey["event_time"]] == [
         "08:33:00",  # 09:33+01:00
@@ -286,9 +286,7 @@ def test_same_second_events_follow_the_sequence_column_or_the_file_order(tmp_pat
     by_file_order = sequences(in_order, "b")
     assert by_step.equals(expected) and by_file_order.equals(expected)
     assert (
-        run_ingest(session_config(shuffled, tmp_path / "c", "sequence")).report[
-            "journeys_converted"
-        ]
+        run_ingest(session_config(shuffled, tmp_path / "c", "sequence")).report.journeys_converted
         == pl.read_csv(shuffled)["session"].n_unique()
     )
     # Shuffled rows without the sequence column: the file's order, wrong here. Never the
@@ -505,12 +503,12 @@ def test_repeat_conversions_are_counted_as_such_and_a_setting_says_what_they_are
     result = run_ingest(config)
     report = result.report
     assert_accounting(report)
-    assert report["repeat_conversions"] == 2  # the second and third clickouts of u1
+    assert report.repeat_conversions == 2  # the second and third clickouts of u1
     journeys = result.journeys.filter(pl.col("user_id") == "u1").sort("start_time")
-    warnings = " ".join(report.get("warnings", []))
+    warnings = " ".join(report.warnings)
     if mode == "with_previous":
         assert journeys["event_type"].to_list() == [["search"], ["search"]]
-        assert report["conversions_without_journey"] == 3  # two repeats and u2's orphan
+        assert report.conversions_without_journey == 3  # two repeats and u2's orphan
         assert "2 of 5 conversions (40%) come straight after another conversion" in warnings
         assert "journey.repeat_conversions: new_journey" in warnings
         # u2's orphan alone is what may point at the user id or max_gap.
@@ -519,7 +517,7 @@ def test_repeat_conversions_are_counted_as_such_and_a_setting_says_what_they_are
         # The repeats start the next journey: the last clickout labels it.
         assert journeys["event_type"].to_list() == [["search"], ["clickout", "clickout", "search"]]
         assert journeys["label"].to_list() == [1, 1]
-        assert report["conversions_without_journey"] == 1
+        assert report.conversions_without_journey == 1
         assert "come straight after another conversion" not in warnings
 
 
@@ -564,12 +562,12 @@ def test_a_file_quarantined_far_more_than_the_others_is_named_with_its_commonest
     )
     config = config_for(raw, tmp_path, "data.features=[]", "ingest.require_conversions=false")
     report = run_ingest(config).report
-    source = next(s for s in report["by_source"] if s.endswith("day-2.csv"))
-    assert report["by_source"][source]["quarantined_by_reason"] == {
+    source = next(s for s in report.by_source if s.endswith("day-2.csv"))
+    assert report.by_source[source]["quarantined_by_reason"] == {
         "bad_timestamp": 5,
         "missing_user_id": 60,
     }
-    (warning,) = [w for w in report["warnings"] if "day-2.csv" in w]
+    (warning,) = [w for w in report.warnings if "day-2.csv" in w]
     assert "65 of 265 rows (25%) quarantined, against 0.0% in the other files" in warning
     assert "most as missing_user_id (60 rows): check data.columns.user_id" in warning
 
@@ -589,9 +587,9 @@ def test_a_feature_missing_from_a_whole_split_is_warned_about(tmp_path: Path) ->
     raw.write_text("\n".join(rows) + "\n")
     config = config_for(raw, tmp_path, "data.features=[referrer]", "journey.max_gap=1h")
     report = run_ingest(config).report
-    presence = report["feature_presence"]["referrer"]
+    presence = report.feature_presence["referrer"]
     assert presence["train"] > 0.8 and presence["test"] == 0.0
-    warnings = [w for w in report["warnings"] if w.startswith("feature referrer")]
+    warnings = [w for w in report.warnings if w.startswith("feature referrer")]
     assert any("on 0% of the test events against" in w for w in warnings)
     assert all("did the column leave the export?" in w for w in warnings)
 
@@ -621,8 +619,8 @@ def test_end_events_end_a_journey_unconverted_and_with_drop_what_follows_goes(
     assert journeys["event_type"].to_list() == [["submitted", "validate_start"]] * 2
     assert journeys["label"].to_list() == [1, 0]
     assert [t.strftime("%H:%M") for t in journeys["end_time"]] == ["09:06", "10:06"]
-    assert result.report["dropped_after_conversion"] == 2
-    assert result.report["conversions_without_journey"] == 0
+    assert result.report.dropped_after_conversion == 2
+    assert result.report.conversions_without_journey == 0
     with pytest.raises(Exception, match="end_events"):
         load_config(None, ["data.end_events=[purchase]"])
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from journeys.cli import main
 from journeys.config import load_config
-from journeys.datasets import REPORT_FILE, read_journeys
+from journeys.datasets import REPORT_FILE, IngestReport, read_journeys
 from journeys.ingest import ingest, run_ingest
 from journeys.pipeline_lock import LOCK_FILE
 from journeys.vocab import Vocabularies
@@ -65,7 +65,11 @@ def journeys_of(raw: Path, tmp: Path, *extra: str) -> pl.DataFrame:
     return run_ingest(config_for(raw, tmp, *extra)).journeys
 
 
-def assert_accounting(report: dict) -> None:
+def assert_accounting(report: dict | IngestReport) -> None:
+    """The contract's row accounting, on the typed report or the JSON one (the file's,
+    `ingest()`'s)."""
+    if isinstance(report, IngestReport):
+        report = report.to_json()
     assert report["rows_read"] == (
         report["rows_valid"]
         + report["quarantined_total"]
@@ -126,7 +130,7 @@ def test_out_of_range_rows_are_quarantined(tmp_path: Path) -> None:
     )
     late = clean_log().filter(pl.col("timestamp") > "2026-01-10T00:00:00Z").height
     assert late > 0
-    assert result.report["quarantined"]["out_of_range"] == late
+    assert result.report.quarantined["out_of_range"] == late
     assert_accounting(result.report)
 
 
@@ -171,7 +175,7 @@ def test_accounting_invariant_holds_for_any_rows(tmp_path: Path, rows: list[dict
     config = config_for(tmp_path / "fuzz.csv", tmp_path, *guards_off)
     report = run_ingest(config, full=True).report  # the same file, rewritten each example
     assert_accounting(report)
-    assert {k: report["quarantined"][k] for k in expected} == expected
+    assert {k: report.quarantined[k] for k in expected} == expected
 
 
 # --- order independence ---------------------------------------------------------------------
@@ -356,7 +360,7 @@ def test_hand_made_journeys(tmp_path: Path) -> None:
     assert late["censored"] and late["split"] == "none"
     assert journeys.height == 5
     report = run_ingest(config_for(tmp_path / "e.csv", tmp_path)).report
-    assert report["conversions_without_journey"] == 1
+    assert report.conversions_without_journey == 1
     expected_id = f"a-{int(datetime(2026, 1, 1, 10, tzinfo=UTC).timestamp() * 1_000_000)}"
     assert converted["journey_id"] == expected_id
 
@@ -387,9 +391,9 @@ def test_late_converted_journeys_take_no_split_unless_configured(
     assert (by_user["c"]["split"] == "none") == exclude
     assert by_user["d"]["censored"] and by_user["d"]["split"] == "none"
     assert by_user["a"]["split"] == "train" and by_user["b"]["split"] != "none"
-    assert result.report["journeys_converted_near_end"] == (1 if exclude else 0)
-    assert result.report["journeys_censored"] == 2  # d and e
-    assert result.report["journeys_by_split"]["none"] == (3 if exclude else 2)
+    assert result.report.journeys_converted_near_end == (1 if exclude else 0)
+    assert result.report.journeys_censored == 2  # d and e
+    assert result.report.journeys_by_split["none"] == (3 if exclude else 2)
 
 
 def test_test_split_conversion_rate_is_not_inflated_by_censoring(tmp_path: Path) -> None:
@@ -433,7 +437,7 @@ def test_no_conversion_inside_sequences_and_splits_are_ordered(tmp_path: Path) -
     assert (long.get_column("event_time").list.last() <= long.get_column("end_time")).all()
     assert (journeys.get_column("event_type").list.len() == journeys.get_column("n_events")).all()
     # Censored journeys are exactly the late unconverted ones and carry no split.
-    data_end = datetime.fromisoformat(result.report["data_end"])
+    data_end = result.report.data_end
     late = (pl.col("label") == 0) & (pl.lit(data_end) - pl.col("end_time") <= timedelta(days=7))
     assert journeys.filter(late).height == journeys.filter(pl.col("censored")).height > 0
     assert (journeys.filter(pl.col("censored")).get_column("split") == "none").all()
@@ -508,17 +512,17 @@ def test_bpic2012_through_its_config(tmp_path: Path) -> None:
     )
     result = run_ingest(config)
     report = result.report
-    assert report["rows_read"] == 262_200
-    assert report["users"] == 13_087
-    assert report["quarantined_total"] == 0
+    assert report.rows_read == 262_200
+    assert report.users == 13_087
+    assert report.quarantined_total == 0
     assert_accounting(report)
     raw = pl.read_csv(BPIC, infer_schema=False)
     approved_cases = raw.filter(pl.col("activity") == "A_APPROVED").get_column("case_id").n_unique()
-    assert report["journeys_converted"] == approved_cases == 2_246
+    assert report.journeys_converted == approved_cases == 2_246
     sequences = result.journeys.get_column("event_type").explode()
     assert not sequences.is_in(OUTCOMES).any()
     # One case is one journey, except the few that pause for more than max_gap (30 days).
-    assert 13_087 <= report["journeys"] <= 13_087 + 20
+    assert 13_087 <= report.journeys <= 13_087 + 20
 
 
 def test_bpic2012_committed_sample_ingests(tmp_path: Path) -> None:
@@ -608,12 +612,12 @@ def test_partitioned_ingest_equals_single_partition(tmp_path: Path) -> None:
     clean_log(n_users=120, seed=4).write_csv(tmp_path / "e.csv")
     single = run_ingest(config_for(tmp_path / "e.csv", tmp_path / "one", "ingest.partitions=1"))
     many = run_ingest(config_for(tmp_path / "e.csv", tmp_path / "many", "ingest.partitions=7"))
-    assert many.report["partitions"] == 7
+    assert many.report.partitions == 7
     assert single.journeys.sort("journey_id").equals(many.journeys.sort("journey_id"))
     assert single.vocabularies == many.vocabularies
     drop = ("partitions", "sources")
-    assert {k: v for k, v in single.report.items() if k not in drop} == {
-        k: v for k, v in many.report.items() if k not in drop
+    assert {k: v for k, v in single.report.to_json().items() if k not in drop} == {
+        k: v for k, v in many.report.to_json().items() if k not in drop
     }
 
 
@@ -626,11 +630,11 @@ def test_quarantine_matches_the_simulators_injected_dirt(tmp_path: Path) -> None
     sim = simulate(tmp_path / "raw", users=400, seed=9, dirty_rate=0.05, shuffle=True, n_files=3)
     report = run_ingest(config_for(tmp_path / "raw", tmp_path)).report
     assert_accounting(report)
-    assert report["rows_read"] == sim.n_events
+    assert report.rows_read == sim.n_events
     for reason in ("missing_user_id", "missing_event_type", "bad_timestamp"):
-        assert report["quarantined"][reason] == sim.dirty[reason] > 0, reason
-    assert report["duplicates_dropped"] == sim.dirty["duplicates"] > 0
-    assert report["journeys"] == sim.n_journeys
+        assert report.quarantined[reason] == sim.dirty[reason] > 0, reason
+    assert report.duplicates_dropped == sim.dirty["duplicates"] > 0
+    assert report.journeys == sim.n_journeys
 
 
 def test_simulated_log_gives_same_journeys_shuffled_split_and_dirty(tmp_path: Path) -> None:
@@ -652,4 +656,4 @@ def test_a_raw_column_named_like_an_internal_one_is_harmless(tmp_path: Path) -> 
     )
     log.write_csv(tmp_path / "e.csv")
     result = run_ingest(config_for(tmp_path / "e.csv", tmp_path))
-    assert result.report["rows_read"] == log.height == result.report["rows_valid"]
+    assert result.report.rows_read == log.height == result.report.rows_valid

@@ -141,14 +141,14 @@ def test_ga4_and_segment_samples_ingest_by_their_configs_alone(tmp_path: Path, s
         result = run_ingest(config)
     report = result.report
     assert_accounting(report)
-    assert report["quarantined_total"] == 0 and report["journeys_converted"] > 0
+    assert report.quarantined_total == 0 and report.journeys_converted > 0
     journeys = result.journeys
-    assert journeys.height == report["journeys"] > 100
+    assert journeys.height == report.journeys > 100
     channels = set(journeys["channel"].explode().drop_nulls())
     assert {"cpc", "email", "display"} <= channels
     assert set(journeys["device"].explode()) == {"mobile", "desktop", "tablet"}
     # Both samples hold the same simulated events: the same journeys come out.
-    assert report["journeys"] == 189 and report["journeys_converted"] == 6
+    assert report.journeys == 189 and report.journeys_converted == 6
 
 
 # --- timestamps -----------------------------------------------------------------------------
@@ -278,12 +278,12 @@ def test_an_absent_conversion_event_stops_ingest_and_names_the_event_types(
 def test_observed_until_past_the_data_censors_nothing(tmp_path: Path) -> None:
     clean_log(n_users=40, seed=10).write_csv(tmp_path / "log.csv")
     default = run_ingest(config_for(tmp_path / "log.csv", tmp_path / "a")).report
-    assert default["journeys_censored"] > 0
+    assert default.journeys_censored > 0
     final = run_ingest(
         config_for(tmp_path / "log.csv", tmp_path / "b", "data.observed_until=2027-01-01T00:00:00")
     )
-    assert final.report["journeys_censored"] == 0 and final.report["journeys_by_split"]["none"] == 0
-    assert final.journeys.height == default["journeys"]
+    assert final.report.journeys_censored == 0 and final.report.journeys_by_split["none"] == 0
+    assert final.journeys.height == default.journeys
     with pytest.raises(InputError, match=r"observed_until .* is before the last event"):
         run_ingest(
             config_for(tmp_path / "log.csv", tmp_path / "c", "data.observed_until=2026-01-02")

@@ -161,17 +161,17 @@ def test_nightly_ingests_equal_a_full_rebuild(
         for day in run:
             shutil.copy2(files[days.index(day)], landing / files[days.index(day)].name)
         report = run_ingest(config).report
-        assert report["ingest"]["mode"] == ("full" if run is runs[0] else "incremental")
-        assert report["ingest"]["new_files"] and len(report["ingest"]["new_files"]) == len(run)
+        assert report.ingest.mode == ("full" if run is runs[0] else "incremental")
+        assert report.ingest.new_files and len(report.ingest.new_files) == len(run)
 
     late = expected_late(log, runs, parse_duration("2d"))
     quarantined = read_quarantine(work / "nightly" / "quarantine")
     assert quarantined.filter(pl.col("reason") == "late").height == late.sum()
-    assert report["quarantined"]["late"] == late.sum()
+    assert report.quarantined["late"] == late.sum()
     on_time = write_days(log.filter(~late), work / "on_time")
     full = run_ingest(config_for(on_time[0].parent, work / "full", *settings_)).report
-    assert full["ingest"]["mode"] == "full"
-    assert report["rows_read"] == full["rows_read"] + late.sum()
+    assert full.ingest.mode == "full"
+    assert report.rows_read == full.rows_read + late.sum()
     assert_same_as_full(work / "nightly" / "journeys", work / "full" / "journeys")
     # What training reads is the same, row for row in the same order: same seed, same model.
     nightly_rows = training_journeys(work / "nightly" / "journeys").collect()
@@ -231,15 +231,15 @@ def test_a_touched_but_unchanged_file_is_not_a_change(tmp_path: Path) -> None:
     run_ingest(config)
     files[0].write_bytes(files[0].read_bytes())  # a new modification time, same bytes
     report = run_ingest(config).report
-    assert report["ingest"]["new_files"] == [] and report["ingest"]["rows_read"] == 0
+    assert report.ingest.new_files == [] and report.ingest.rows_read == 0
 
 
 def test_a_changed_configuration_rebuilds_in_full(tmp_path: Path) -> None:
     write_days(event_log(seed=5).filter(pl.col("arrival") < 10), tmp_path / "landing")
     run_ingest(config_for(tmp_path / "landing", tmp_path))
     report = run_ingest(config_for(tmp_path / "landing", tmp_path, "journey.max_gap=2d")).report
-    assert report["ingest"]["mode"] == "full"
-    assert "configuration changed" in report["ingest"]["why"]
+    assert report.ingest.mode == "full"
+    assert "configuration changed" in report.ingest.why
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -418,7 +418,7 @@ def test_train_window_bounds_what_training_reads(tmp_path: Path) -> None:
     folder = tmp_path / "journeys"
     everything = training_journeys(folder).collect()
     recent = training_journeys(folder, config.train.window_delta).collect()
-    since = datetime.fromisoformat(report["data_end"]) - timedelta(days=15)
+    since = report.data_end - timedelta(days=15)
     assert 0 < recent.height < everything.height
     assert recent.equals(everything.filter(pl.col("end_time") >= since))
     sizes = split_sizes(folder, config.train.window_delta)
@@ -547,11 +547,11 @@ def test_a_feature_column_that_leaves_the_export_is_null_there_night_after_night
         for path in files[:cut]:
             shutil.copy2(path, landing / path.name)
         report = run_ingest(config).report
-    assert report["ingest"]["mode"] == "incremental"
+    assert report.ingest.mode == "incremental"
     full = run_ingest(
         config_for(files[0].parent, tmp_path / "full", "ingest.max_quarantined_share=1")
     )
-    assert full.report["ingest"]["mode"] == "full"
+    assert full.report.ingest.mode == "full"
     assert_same_as_full(tmp_path / "nightly" / "journeys", tmp_path / "full" / "journeys")
     journeys = pl.read_parquet(tmp_path / "nightly" / "journeys" / "*.parquet")
     assert (
