@@ -87,7 +87,7 @@ from journeys import metrics as M  # noqa: E402  (after the checkout is importab
 
 if TYPE_CHECKING:
     from journeys.config import Config
-    from journeys.encoding import EncodedJourneys, NumericScaling
+    from journeys.encoding import EncodedJourneys, JourneyEncoder
     from journeys.model import JourneyTransformer
     from journeys.vocab import Vocabularies
 
@@ -506,14 +506,38 @@ class TrainedModel:
     seed: int = 0
 
 
+def fit_encoder(
+    train: pl.DataFrame, vocabs: Vocabularies, config: Config, numeric: bool = True
+) -> JourneyEncoder:
+    """The product's `JourneyEncoder` of the cases (their first `MAX_PREFIX` events),
+    fitted on the train cases: the vocabularies' features and, with `numeric`,
+    `data.numeric_features` scaled by the train cases' events."""
+    from journeys.encoding import JourneyEncoder
+    from journeys.inputs import CategoricalInput, NumericInput
+
+    numbers = config.data.numeric_features if numeric else []
+    columns = [
+        *(CategoricalInput(name) for name in vocabs.features),
+        *(NumericInput(name) for name in numbers),
+    ]
+    return JourneyEncoder.fit(
+        train,
+        vocabs,
+        config.model,
+        max_len=MAX_PREFIX,
+        timezone=config.data.timezone,
+        columns=columns,
+    )
+
+
 def train_transformer(
     config: Config,
-    vocabs: Vocabularies,
+    encoder: JourneyEncoder,
     train: EncodedJourneys,
     val: EncodedJourneys | None,
-    max_len: int = MAX_PREFIX,
 ) -> TrainedModel:
-    """Fit the product's `JourneyModule` with the product's Trainer (`build_trainer`).
+    """Fit the product's `JourneyModule` with the product's Trainer (`build_trainer`),
+    sized by `encoder` (what encoded `train` and `val`).
 
     Everything that makes it prefix-by-prefix is configuration (`MODEL_OVERRIDES`): the
     loss at every prefix, each prefix weighted alike, and the checkpoint and early stopping
@@ -530,9 +554,7 @@ def train_transformer(
 
     started = time.perf_counter()
     L.seed_everything(config.train.seed, workers=True, verbose=False)
-    model_config = model_config_from(
-        config.model, vocabs, max_len=max_len, n_numeric=len(config.data.numeric_features)
-    )
+    model_config = model_config_from(config.model, encoder)
     lengths = train.lengths.float()
     # The head starts at the loss-minimising constant: the positive rate over what the loss
     # averages (prefixes, with prefix_weight: prefix).
@@ -568,27 +590,13 @@ def train_transformer(
 
 
 def encode_cases(
-    frame: pl.DataFrame,
-    vocabs: Vocabularies,
-    config: Config,
-    labels: np.ndarray | None = None,
-    numeric: NumericScaling = (),
+    frame: pl.DataFrame, encoder: JourneyEncoder, labels: np.ndarray | None = None
 ) -> EncodedJourneys:
-    """The product's `encode_journeys` on a cases frame (first `MAX_PREFIX` events),
-    labelled; `numeric` is the train cases' scaling of `data.numeric_features`."""
+    """The product's encoding of a cases frame (`fit_encoder`: first `MAX_PREFIX` events),
+    labelled."""
     import torch
 
-    from journeys.encoding import ContinuousInputs, encode_journeys
-
-    zone = config.data.timezone if config.model.time_encodings else None
-    inputs = ContinuousInputs(zone, numeric)
-    encoded = encode_journeys(
-        frame.select("event_type", "event_time", *vocabs.features, *inputs.numeric_names),
-        vocabs,
-        config.model.time_buckets,
-        MAX_PREFIX,
-        inputs,
-    )
+    encoded = encoder.encode(frame.select("event_type", "event_time", *encoder.event_columns))
     if labels is not None:
         encoded = replace(encoded, labels=torch.tensor(labels, dtype=torch.float32))
     return encoded
@@ -624,7 +632,7 @@ class Ensemble:
 
 def train_ensemble(
     config: Config,
-    vocabs: Vocabularies,
+    encoder: JourneyEncoder,
     encoded: dict[str, EncodedJourneys],
     seeds: int,
     test_rows: pl.DataFrame,
@@ -642,11 +650,11 @@ def train_ensemble(
     for offset in range(seeds):
         member_config = config.model_copy(deep=True)
         member_config.train.seed = config.train.seed + offset
-        trained = train_transformer(member_config, vocabs, encoded["train"], encoded["val"])
+        trained = train_transformer(member_config, encoder, encoded["train"], encoded["val"])
         if refit and trained.best_epoch:
             refit_config = member_config.model_copy(deep=True)
             refit_config.train.max_epochs = trained.best_epoch
-            refitted = train_transformer(refit_config, vocabs, encoded["train_val"], val=None)
+            refitted = train_transformer(refit_config, encoder, encoded["train_val"], val=None)
             trained = replace(
                 trained, model=refitted.model, seconds=trained.seconds + refitted.seconds
             )
@@ -928,10 +936,8 @@ def _run_setting(
         f"val {counts['val']:,}, test {counts['test']:,} ({counts['test_prefixes']:,} test "
         f"prefixes); train events cut at {split.cutoff:%Y-%m-%d %H:%M} UTC"
     )
-    from journeys.encoding import numeric_scaling
-
     vocabs = build_vocabularies(parts["train"], config, transformer_features(config))
-    numeric = numeric_scaling(parts["train"], config.data.numeric_features)
+    encoder = fit_encoder(parts["train"], vocabs, config)
     aggregates = encode_aggregates(
         parts["train"], parts["val"], parts["test"], config.data.timezone
     )
@@ -939,19 +945,14 @@ def _run_setting(
     results: dict[str, TaskResult] = {}
     for task in tasks:
         y = {role: task_labels(part, task) for role, part in parts.items()}
-        encoded = {
-            role: encode_cases(part, vocabs, config, y[role], numeric)
-            for role, part in parts.items()
-        }
+        encoded = {role: encode_cases(part, encoder, y[role]) for role, part in parts.items()}
         if refit:
             encoded["train_val"] = encode_cases(
                 pl.concat([parts["train"], parts["val"]]),
-                vocabs,
-                config,
+                encoder,
                 np.concatenate([y["train"], y["val"]]),
-                numeric,
             )
-        ensemble = train_ensemble(config, vocabs, encoded, seeds, test_rows, refit)
+        ensemble = train_ensemble(config, encoder, encoded, seeds, test_rows, refit)
         boosting = fit_boosting(
             parts["train"],
             parts["val"],

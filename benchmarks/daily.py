@@ -185,12 +185,14 @@ def with_stack(model: Path, journeys: Path) -> None:
     does)."""
     from journeys.baselines import BaselineSettings, fit_baseline
     from journeys.datasets import scan_journeys
+    from journeys.inputs import CategoricalInput
     from journeys.stacking import Stack
     from journeys.trained_model import TrainedModel
 
     train = scan_journeys(journeys).collect()
     trained = TrainedModel.load(model)
-    booster = fit_baseline("hgb_aggregates", train, BaselineSettings(("channel", "device")))
+    columns = (CategoricalInput("channel"), CategoricalInput("device"))
+    booster = fit_baseline("hgb_aggregates", train, BaselineSettings(columns))
     trained.stack = Stack(booster, (0.5, 0.5), 0.0)  # type: ignore[arg-type]
     trained.save(model)
 

@@ -37,11 +37,25 @@ sys.path.insert(0, str(ROOT))
 
 from journeys.config import load_config  # noqa: E402
 from journeys.encoding import model_config_from_sizes  # noqa: E402
+from journeys.inputs import TIME_ENCODINGS  # noqa: E402
 from journeys.model import JourneyTransformer  # noqa: E402
 
 # Dense bf16 peak (TFLOP/s) by device name; fp32 runs are compared with the same peak.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0}
 VOCAB, FEATURE_VOCABS, TIME_BUCKETS = 64, (16, 8), 32
+
+
+def synthetic_config(settings, max_len: int):
+    """The architecture of `settings` over made-up inputs: `VOCAB` event types, features of
+    `FEATURE_VOCABS` tokens, `TIME_BUCKETS` and the time encodings when they are on."""
+    return model_config_from_sizes(
+        settings,
+        vocab_size=VOCAB,
+        feature_vocab_sizes=FEATURE_VOCABS,
+        n_time_buckets=TIME_BUCKETS,
+        n_continuous=len(TIME_ENCODINGS) if settings.time_encodings else 0,
+        max_len=max_len,
+    )
 
 
 @dataclass(frozen=True)
@@ -85,7 +99,7 @@ def measure(size: Size, precision: str, device: torch.device, steps: int, warmup
             f"model.time_buckets={TIME_BUCKETS}",
         ],
     ).model
-    config = model_config_from_sizes(settings, VOCAB, FEATURE_VOCABS, size.seq_len)
+    config = synthetic_config(settings, size.seq_len)
     model = JourneyTransformer(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     b, length = size.batch, size.seq_len
@@ -142,7 +156,7 @@ def measure_scoring(device: torch.device, n_journeys: int, batch_size: int) -> d
 
     torch.manual_seed(0)
     settings = load_config(None, [f"model.time_buckets={TIME_BUCKETS}"]).model
-    config = model_config_from_sizes(settings, VOCAB, FEATURE_VOCABS, 64)
+    config = synthetic_config(settings, 64)
     model = JourneyTransformer(config).to(device).eval()
     lengths = torch.randint(1, 65, (n_journeys,))
     offsets = torch.zeros(n_journeys + 1, dtype=torch.int64)

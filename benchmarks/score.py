@@ -107,17 +107,16 @@ def random_model(journeys: Path) -> Path:
     folder = WORK / "model"
     config = load_config(ROOT / "conf" / "default.yaml", [])
     vocabs = Vocabularies.load(journeys)
-    torch.manual_seed(0)
-    settings = model_config_from(config.model, vocabs, config.journey.max_events)
-    model = JourneyTransformer(settings).eval()
     # No numeric feature in the default configuration: nothing to fit the encoder on.
     encoder = JourneyEncoder.fit(
         pl.DataFrame(),
         vocabs,
         config.model,
-        max_len=settings.max_len,
+        max_len=config.journey.max_events,
         timezone=config.data.timezone,
     )
+    torch.manual_seed(0)
+    model = JourneyTransformer(model_config_from(config.model, encoder)).eval()
     TrainedModel(model, encoder, JourneyRules.from_config(config)).save(folder)
     return folder
 

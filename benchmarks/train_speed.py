@@ -122,8 +122,9 @@ def run(
         config.model,
         vocab_size=int(encoded.tokens.max()) + 1,
         feature_vocab_sizes=tuple(int(encoded.features[i].max()) + 1 for i in range(n_features)),
+        n_time_buckets=config.model.time_buckets,  # what `random_journeys` drew from
+        n_continuous=0 if encoded.continuous is None else encoded.continuous.size(0),
         max_len=config.journey.max_events,
-        n_numeric=len(config.data.numeric_features),
     )
     module = JourneyModule(model_config, settings)
     if reference:
@@ -222,12 +223,14 @@ def main() -> None:
     import lightning as L
 
     from journeys.config import load_config
-    from journeys.encoding import continuous_count
+    from journeys.inputs import TimeInput, columns_of
 
     config = load_config(args.config, args.overrides)
     L.seed_everything(config.train.seed, verbose=False)
     sizes = [64, config.model.time_buckets, *(16 for _ in config.data.features)]
-    n_continuous = continuous_count(config.model.time_encodings, len(config.data.numeric_features))
+    # The configuration's continuous inputs: the time encodings' and each number's.
+    time = TimeInput(config.model.time_buckets, "UTC" if config.model.time_encodings else None)
+    n_continuous = time.n_continuous + sum(c.n_continuous for c in columns_of(config.data))
     encoded = random_journeys(
         args.journeys,
         args.mean_events,

@@ -11,6 +11,10 @@
   last), hour of day and weekday of the first and last event, the last touch itself, and
   each numeric feature's mean, minimum, maximum, last value, sum and missing count.
 
+The per-event columns come typed (`journeys.inputs`): the categorical ones are tokens for
+the bag of events and the last touch, and each column adds its own aggregates to
+`hgb_aggregates` (a number its `journeys.inputs.NUMERIC_AGGREGATES`).
+
 Each is its own MLflow run in the same experiment, tagged `model_family=baseline_<name>`,
 with the same `test_*` metrics and plots as the transformer, and each fitted model is a
 candidate for the champion (`journeys.promotion`): its fitted state is JSON values plus,
@@ -20,7 +24,8 @@ for the boosted ones, a scikit-learn booster that `journeys.trained_model` saves
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, get_args
 
@@ -29,6 +34,15 @@ import polars as pl
 
 from journeys.config import BaselineName
 from journeys.datasets import MISSING_VALUE
+from journeys.inputs import (
+    KINDS,
+    CategoricalInput,
+    EventInput,
+    NumericInput,
+    columns_from_names,
+    columns_of,
+    names_by_setting,
+)
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_matrix
@@ -37,6 +51,8 @@ if TYPE_CHECKING:
     from journeys.config import Config
 
 BASELINES: tuple[str, ...] = get_args(BaselineName)
+# The keys that name the per-event columns in saved settings, one per kind of column.
+KIND_SETTINGS = {kind.setting for kind in KINDS}
 # Pseudo-count of train journeys at the base rate added to every last-touch key, so a key
 # seen twice with one conversion does not predict 50 %.
 LAST_TOUCH_PSEUDO_COUNT = 20.0
@@ -190,48 +206,32 @@ def timing_aggregates(
     )
 
 
-NUMERIC_AGGREGATES = ("mean", "min", "max", "last", "sum", "missing")
-
-
-def numeric_aggregates(frame: pl.DataFrame, names: list[str]) -> pl.DataFrame:
-    """Per journey and numeric feature: `NUMERIC_AGGREGATES` (null where all are missing)."""
-    columns = []
-    for name in names:
-        values = pl.col(name)
-        present = values.list.drop_nulls()
-        columns += [
-            present.list.mean().alias(f"{name}_mean"),
-            present.list.min().alias(f"{name}_min"),
-            present.list.max().alias(f"{name}_max"),
-            values.list.last().alias(f"{name}_last"),
-            present.list.sum().alias(f"{name}_sum"),
-            (values.list.len() - present.list.len()).cast(pl.Float64).alias(f"{name}_missing"),
-        ]
-    return frame.select(columns)
+def token_columns(columns: Sequence[EventInput]) -> list[str]:
+    """The columns whose values the bag of events and the last touch count as tokens."""
+    return [column.name for column in columns if column.tokens]
 
 
 class JourneyAggregates:
     """Journeys -> a dense matrix for gradient boosting: bag-of-events counts, the timing
-    aggregates, and the last event's type and feature values as categorical columns
+    aggregates, each column's own aggregates (`EventInput.aggregates`: a number's mean,
+    minimum, ...) and the last event's type and token values as categorical columns
     (levels from train; unseen or rare ones are missing)."""
 
-    def __init__(
-        self,
-        features: list[str],
-        timezone: str,
-        visit_gap_s: float | None,
-        numeric: list[str] | None = None,
-    ):
-        self.features = features
-        self.numeric = list(numeric or [])
+    def __init__(self, columns: Sequence[EventInput], timezone: str, visit_gap_s: float | None):
+        self.columns = tuple(columns)
+        self.features = token_columns(columns)
         self.timezone = timezone
         self.visit_gap_s = visit_gap_s
-        self.bag = BagOfEvents(features, bigrams=False, max_columns=MAX_DENSE_COLUMNS)
+        self.bag = BagOfEvents(self.features, bigrams=False, max_columns=MAX_DENSE_COLUMNS)
         self.levels: dict[str, dict[str, int]] = {}  # last-touch column -> level -> code
 
     @property
     def last_touch_columns(self) -> list[str]:
         return ["event_type", *self.features]
+
+    @property
+    def column_aggregates(self) -> list[pl.Expr]:
+        return [expr for column in self.columns for expr in column.aggregates()]
 
     def _last(self, frame: pl.DataFrame) -> pl.DataFrame:
         return frame.select(
@@ -249,9 +249,10 @@ class JourneyAggregates:
 
     def to_dict(self) -> dict[str, Any]:
         """The fitted state as JSON values (`from_dict` reads it back)."""
+        names = names_by_setting(self.columns)
         return {
-            "features": self.features,
-            "numeric": self.numeric,
+            "features": names[CategoricalInput.setting],
+            "numeric": names[NumericInput.setting],
             "timezone": self.timezone,
             "visit_gap_s": self.visit_gap_s,
             "tokens": self.bag.tokens(),
@@ -260,9 +261,11 @@ class JourneyAggregates:
 
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> JourneyAggregates:
-        aggregates = cls(
-            state["features"], state["timezone"], state["visit_gap_s"], state["numeric"]
-        )
+        names = {
+            CategoricalInput.setting: state["features"],
+            NumericInput.setting: state["numeric"],
+        }
+        aggregates = cls(columns_from_names(names), state["timezone"], state["visit_gap_s"])
         aggregates.bag.set_tokens(state["tokens"])
         aggregates.levels = {column: dict(levels) for column, levels in state["levels"].items()}
         return aggregates
@@ -270,11 +273,7 @@ class JourneyAggregates:
     @property
     def categorical(self) -> np.ndarray:
         """Which columns of `transform` are categorical (the last-touch ones, at the end)."""
-        n_numeric = (
-            self.bag.n_columns
-            + len(TIMING_AGGREGATES)
-            + len(self.numeric) * len(NUMERIC_AGGREGATES)
-        )
+        n_numeric = self.bag.n_columns + len(TIMING_AGGREGATES) + len(self.column_aggregates)
         return np.r_[np.zeros(n_numeric, bool), np.ones(len(self.last_touch_columns), bool)]
 
     def transform(self, frame: pl.DataFrame) -> np.ndarray:
@@ -284,8 +283,9 @@ class JourneyAggregates:
         )
         timing = timing_aggregates(frame, self.timezone, self.visit_gap_s)
         blocks = [self.bag.transform(frame).toarray(), timing.to_numpy()]
-        if self.numeric:  # (no columns would also mean no rows)
-            blocks.append(numeric_aggregates(frame, self.numeric).cast(pl.Float64).to_numpy())
+        if self.column_aggregates:  # (no columns would also mean no rows)
+            aggregates = frame.select(self.column_aggregates).cast(pl.Float64)
+            blocks.append(aggregates.to_numpy())
         blocks.append(codes.to_numpy())
         return np.hstack(blocks).astype(np.float32)  # nulls are NaN: missing for the trees
 
@@ -295,26 +295,48 @@ class JourneyAggregates:
 
 @dataclass(frozen=True)
 class BaselineSettings:
-    """What the baselines read from the configuration: the per-event columns, bigrams, the
-    seed, where hours are read (`data.timezone`) and the gap that opens a visit."""
+    """What the baselines read from the configuration: the per-event columns (typed:
+    `journeys.inputs`), bigrams, the seed, where hours are read (`data.timezone`) and the
+    gap that opens a visit."""
 
-    features: tuple[str, ...] = ()
+    columns: tuple[EventInput, ...] = ()
     bigrams: bool = False
     seed: int = 0
     timezone: str = "UTC"
     visit_gap_s: float | None = None
-    numeric_features: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: Config) -> BaselineSettings:
         return cls(
-            features=tuple(config.data.features),
+            columns=columns_of(config.data),
             bigrams=config.train.bigrams,
             seed=config.train.seed,
             timezone=config.data.timezone,
             visit_gap_s=config.model.visit_gap_s,
-            numeric_features=tuple(config.data.numeric_features),
         )
+
+    @property
+    def features(self) -> list[str]:
+        """The columns counted as tokens (`token_columns`)."""
+        return token_columns(self.columns)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON values: the columns' names by the `data` setting that lists them
+        (`features`, `numeric_features`), as saved since baselines were served."""
+        names = names_by_setting(self.columns)
+        return {
+            "features": names.pop(CategoricalInput.setting),
+            "bigrams": self.bigrams,
+            "seed": self.seed,
+            "timezone": self.timezone,
+            "visit_gap_s": self.visit_gap_s,
+            **names,
+        }
+
+    @classmethod
+    def from_dict(cls, settings: dict[str, Any]) -> BaselineSettings:
+        rest = {k: v for k, v in settings.items() if k not in KIND_SETTINGS}
+        return cls(columns=columns_from_names(settings), **rest)
 
 
 def _labels(frame: pl.DataFrame) -> np.ndarray:
@@ -356,8 +378,7 @@ class Baseline:
 
     def state(self) -> dict[str, Any]:
         """The fitted baseline as JSON values (`load_baseline` reads it back)."""
-        settings = {**asdict(self.settings), "features": list(self.settings.features)}
-        settings["numeric_features"] = list(self.settings.numeric_features)
+        settings = self.settings.to_dict()
         return {"name": self.name, "settings": settings, "fitted": self.fitted_state()}
 
 
@@ -443,7 +464,7 @@ class LogReg(Baseline):
 
     def __init__(self, settings: BaselineSettings) -> None:
         super().__init__(settings)
-        self.bag = BagOfEvents(list(settings.features), settings.bigrams)
+        self.bag = BagOfEvents(settings.features, settings.bigrams)
 
     def fit(self, train: pl.DataFrame) -> LogReg:
         from sklearn.linear_model import LogisticRegression
@@ -487,8 +508,7 @@ class Hgb(Baseline):
 
     def __init__(self, settings: BaselineSettings) -> None:
         super().__init__(settings)
-        features = list(settings.features)
-        self.bag = BagOfEvents(features, settings.bigrams, max_columns=MAX_DENSE_COLUMNS)
+        self.bag = BagOfEvents(settings.features, settings.bigrams, max_columns=MAX_DENSE_COLUMNS)
 
     def fit(self, train: pl.DataFrame) -> Hgb:
         inputs = self.bag.fit(train).transform(train).toarray()
@@ -514,10 +534,7 @@ class HgbAggregates(Baseline):
     def __init__(self, settings: BaselineSettings) -> None:
         super().__init__(settings)
         self.aggregates = JourneyAggregates(
-            list(settings.features),
-            settings.timezone,
-            settings.visit_gap_s,
-            list(settings.numeric_features),
+            settings.columns, settings.timezone, settings.visit_gap_s
         )
 
     def fit(self, train: pl.DataFrame) -> HgbAggregates:
@@ -564,10 +581,7 @@ def load_baseline(
     state: dict[str, Any], booster: HistGradientBoostingClassifier | None = None
 ) -> Baseline:
     """A fitted baseline from its `state()` (and booster, for the boosted ones)."""
-    settings = dict(state["settings"])
-    for key in ("features", "numeric_features"):
-        settings[key] = tuple(settings[key])
-    baseline = BASELINE_TYPES[state["name"]](BaselineSettings(**settings))
+    baseline = BASELINE_TYPES[state["name"]](BaselineSettings.from_dict(state["settings"]))
     baseline.restore(state["fitted"])
     baseline.booster = booster
     if state["name"] in ("hgb", "hgb_aggregates") and booster is None:
@@ -579,21 +593,19 @@ def fit_predict(
     name: str,
     train: pl.DataFrame,
     test: pl.DataFrame,
-    features: list[str],
+    columns: Sequence[EventInput] = (),
     bigrams: bool = False,
     seed: int = 0,
     timezone: str = "UTC",
     visit_gap_s: float | None = None,
-    numeric_features: list[str] | None = None,
 ) -> np.ndarray:
     """Fit baseline `name` on `train`, return conversion probabilities for `test`.
 
-    `timezone` is where hours and weekdays are read, `visit_gap_s` the gap that opens a
-    visit; `numeric_features` are aggregated (all three only used by `hgb_aggregates`).
+    `columns` are the per-event columns (`journeys.inputs`); `timezone` is where hours and
+    weekdays are read, `visit_gap_s` the gap that opens a visit (both only used by
+    `hgb_aggregates`).
     """
-    settings = BaselineSettings(
-        tuple(features), bigrams, seed, timezone, visit_gap_s, tuple(numeric_features or ())
-    )
+    settings = BaselineSettings(tuple(columns), bigrams, seed, timezone, visit_gap_s)
     return fit_baseline(name, train, settings).predict_proba(with_total_events(test))
 
 

@@ -1,15 +1,17 @@
 """Journeys Parquet -> tensors -> padded batches for `journeys.model.JourneyTransformer`.
 
 - `encode_journeys` turns a journeys frame into flat int tensors (all events back to back)
-  plus offsets, with Polars expressions only: no Python loop over journeys or events.
+  plus offsets, with Polars expressions only: no Python loop over journeys or events. What
+  it reads of each event, and how, comes from `journeys.inputs.EventInputs` alone.
+- `JourneyEncoder` is those inputs fitted on the train split and the most recent events
+  read: training, scoring and serving encode through it, and `model_config_from` sizes a
+  `ModelConfig` from it (the model file itself knows nothing of the configuration).
 - `JourneyDataset` yields journey indices; `JourneyCollator` pads a batch of them to the
   batch's longest journey (right padding, id 0) in a few vectorised gathers.
 - `LengthGroupedBatchSampler` sorts journeys by length inside large random buckets so that
   batches hold journeys of similar length and little compute goes to padding.
 - `journeys.lightning_parts.JourneyDataModule` (Lightning) serves these loaders for train/val/test;
   this module itself does not import Lightning, so scoring starts fast.
-- `model_config_from` sizes a `ModelConfig` from the `model` config section and the
-  vocabularies (the model file itself knows nothing of the configuration).
 
 Distributed training: the length-grouped batch sampler does not shard by itself. It groups
 whatever index sampler it wraps, and under DDP that is a `DistributedSampler`: Lightning
@@ -45,134 +47,19 @@ from torch.utils.data import (
 
 from journeys.config import Model
 from journeys.errors import InputError
+from journeys.inputs import (
+    CategoricalInput,
+    EventInput,
+    EventInputs,
+    NumericInput,
+    time_bucket_expr,
+)
 from journeys.model import ModelConfig
 from journeys.vocab import PAD_ID, Vocabularies
-
-# Time since the previous event -> bucket 1 + floor(log_GROWTH(1 + gap / UNIT)), so bucket 1
-# is [0, (GROWTH - 1) UNIT) (and the first event). The buckets always span UNIT ..
-# 2^SPAN_DOUBLINGS UNIT (34 years); `model.time_buckets` sets the resolution:
-# GROWTH = 2^(SPAN_DOUBLINGS / (n - 2)).
-# With 32 buckets each is a doubling (bucket 2 [1 s, 3 s), 3 [3 s, 7 s), ...; 7 days lands in
-# bucket 20); with 62, each is a factor sqrt(2).
-TIME_BUCKET_UNIT_SECONDS = 1.0
-TIME_BUCKET_SPAN_DOUBLINGS = 30
-# log() of an exact power of the growth may come out a hair low; this keeps it in its bucket.
-_LOG_EPSILON = 1e-9
 
 # A length-grouping bucket holds this many batches: large enough that sorted batches are
 # nearly uniform in length, small enough that batch composition still varies by epoch.
 DEFAULT_BUCKET_BATCHES = 50
-
-
-# Continuous inputs per event when `model.time_encodings` is on, in this order.
-TIME_ENCODINGS = (
-    "log_gap",
-    "log_since_start",
-    "hour_sin",
-    "hour_cos",
-    "weekday_sin",
-    "weekday_cos",
-)
-# log1p(seconds) / log1p(30 days): durations from a second to a month land in [0, 1].
-LOG_SECONDS_SCALE = math.log1p(30 * 86400)
-
-
-# (name, centre, scale) of asinh(value) over the train events, per numeric feature: asinh is
-# log-like for prices and amounts, whose tails span orders of magnitude, and keeps zero and
-# signs.
-NumericScaling = tuple[tuple[str, float, float], ...]
-
-
-# Continuous inputs per numeric feature, in this order: its value (asinh, scaled with train's
-# statistics; 0 where missing), a flag where it is missing, its value against the journey's
-# earlier values (asinh(value) minus their mean, same scale; 0 where missing or first), and
-# that relative value carried forward to the events after it (the latest known; 0 before
-# any). The third makes "a price above the user's usual" one input, not a mean the network
-# must learn to take over the journey; the fourth puts it on every later event, the last
-# included, so the model need not search the journey for the latest priced event. Models
-# read the first `ContinuousInputs.numeric_inputs` of them (older ones: two or three).
-NUMERIC_INPUTS = ("value", "missing", "relative", "carried")
-# With `model.numeric_encoding: buckets` these two are embedded by their train-quantile
-# bucket instead, as extra categorical features after the model's own (id 0: padding,
-# 1: missing or no earlier value, then the buckets); missing needs no flag of its own.
-BUCKETED_INPUTS = ("value", "relative")
-
-
-@dataclass(frozen=True)
-class ContinuousInputs:
-    """The continuous inputs `encode_journeys` adds per event, in this order: the time
-    encodings (when `timezone` is set: hours are read there), then `NUMERIC_INPUTS` for
-    each numeric feature (`continuous_count` of them), the first `numeric_inputs` of them
-    (fewer for models trained before the later ones existed). With `bucket_edges`
-    (`numeric_bucket_edges`) the numbers are bucket ids instead (`BUCKETED_INPUTS`), not
-    continuous inputs."""
-
-    timezone: str | None = None
-    numeric: NumericScaling = ()
-    numeric_inputs: int = len(NUMERIC_INPUTS)
-    bucket_edges: tuple[tuple[float, ...], ...] = ()
-
-    @property
-    def numeric_names(self) -> list[str]:
-        return [name for name, _, _ in self.numeric]
-
-
-def numeric_scaling(frame: pl.DataFrame, names: list[str]) -> NumericScaling:
-    """(name, centre, scale) of asinh(value) over every non-missing event of `frame` (the
-    train split): what scoring applies unchanged. A constant column gets scale 1."""
-    out = []
-    for name in names:
-        values = frame.select(pl.col(name).explode().drop_nulls().arcsinh()).to_series()
-        centre = float(values.mean()) if values.len() else 0.0
-        spread = float(values.std()) if values.len() > 1 else 0.0
-        out.append((name, centre, spread if spread > 0 else 1.0))
-    return tuple(out)
-
-
-def numeric_bucket_edges(
-    frame: pl.DataFrame, names: list[str], n_buckets: int
-) -> tuple[tuple[float, ...], ...]:
-    """Inner edges of `n_buckets` equal-count buckets of each of `BUCKETED_INPUTS` over the
-    non-missing events of `frame` (the train split), feature by feature: what scoring
-    applies unchanged. Ties merge buckets, so a column may get fewer."""
-    quantiles = np.arange(1, n_buckets) / n_buckets
-    out = []
-    for name in names:
-        value = pl.col(name).cast(pl.List(pl.Float64))
-        inputs = frame.select(
-            value.list.eval(pl.element().arcsinh()).explode().alias("value"),
-            value.list.eval(relative_to_earlier(pl.element().arcsinh()))
-            .explode()
-            .alias("relative"),
-        )
-        for column in BUCKETED_INPUTS:
-            known = inputs.get_column(column).drop_nulls().to_numpy()
-            edges = np.unique(np.quantile(known, quantiles)) if known.size else np.empty(0)
-            out.append(tuple(float(edge) for edge in edges))
-    return tuple(out)
-
-
-def continuous_count(
-    time_encodings: bool,
-    n_numeric: int,
-    numeric_inputs: int = len(NUMERIC_INPUTS),
-    buckets: bool = False,
-) -> int:
-    """How many continuous inputs a model reads per event (`ContinuousInputs`)."""
-    if buckets:
-        n_numeric = 0  # embedded as bucket ids instead
-    return (len(TIME_ENCODINGS) if time_encodings else 0) + numeric_inputs * n_numeric
-
-
-def relative_to_earlier(value: pl.Expr) -> pl.Expr:
-    """Per event of a list: the value minus the mean of the earlier non-missing values of
-    the list (null where missing or where none came before). Uses the past only, so a
-    causal model's prefixes see what they would see alone."""
-    seen = value.is_not_null().cast(pl.Float64)
-    filled = value.fill_null(0.0)
-    earlier = seen.cum_sum() - seen
-    mean_before = (filled.cum_sum() - filled) / earlier
-    return pl.when(value.is_not_null() & (earlier > 0)).then(value - mean_before)
 
 
 def gap_seconds_expr(event_time: pl.Expr) -> pl.Expr:
@@ -180,76 +67,46 @@ def gap_seconds_expr(event_time: pl.Expr) -> pl.Expr:
     return event_time.list.eval(pl.element().diff().dt.total_microseconds().fill_null(0) / 1e6)
 
 
-def time_encoding_exprs(
-    gap: pl.Expr, since_start: pl.Expr, time: pl.Expr, timezone: str
-) -> list[pl.Expr]:
-    """Per event: `TIME_ENCODINGS` from the seconds since the previous and the first event
-    and the event's UTC time (read in `timezone` for the hour and weekday)."""
-    local = time.dt.convert_time_zone(timezone)
-    hour = (local.dt.hour() + local.dt.minute() / 60) * (2 * math.pi / 24)
-    weekday = (local.dt.weekday() - 1) * (2 * math.pi / 7)
-    return [
-        ((gap.clip(lower_bound=0) + 1).log() / LOG_SECONDS_SCALE).alias("log_gap"),
-        ((since_start.clip(lower_bound=0) + 1).log() / LOG_SECONDS_SCALE).alias("log_since_start"),
-        hour.sin().alias("hour_sin"),
-        hour.cos().alias("hour_cos"),
-        weekday.sin().alias("weekday_sin"),
-        weekday.cos().alias("weekday_cos"),
-    ]
-
-
-def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
-    """Seconds since the previous event -> log-scaled bucket id in [1, n_time_buckets - 1].
-
-    Id 0 is left for padding. Negative gaps (clock skew) count as 0.
-    """
-    growth = 2.0 ** (TIME_BUCKET_SPAN_DOUBLINGS / max(1, n_time_buckets - 2))
-    scaled = 1.0 + seconds.cast(pl.Float64).clip(lower_bound=0.0) / TIME_BUCKET_UNIT_SECONDS
-    bucket = 1 + (scaled.log(growth) + _LOG_EPSILON).floor()
-    return bucket.clip(1, max(1, n_time_buckets - 1)).cast(pl.Int64)
-
-
-def visit_bucket(settings: Model) -> int | None:
-    """The time bucket of `model.visit_gap` (None when off): gaps in it or above open a visit."""
+def visit_bucket(settings: Model, n_time_buckets: int) -> int | None:
+    """The time bucket of `model.visit_gap` (None when off) among `n_time_buckets`: gaps in
+    it or above open a visit."""
     seconds = settings.visit_gap_s
     if seconds is None:
         return None
-    return int(pl.select(time_bucket_expr(pl.lit(seconds), settings.time_buckets)).item())
+    return int(pl.select(time_bucket_expr(pl.lit(seconds), n_time_buckets)).item())
 
 
-def model_config_from(
-    settings: Model, vocabs: Vocabularies, max_len: int, n_numeric: int = 0
-) -> ModelConfig:
-    """The `ModelConfig` of the `model` config section, sized by the vocabularies.
-
-    `max_len` is the longest journey the model will see (`journey.max_events`);
-    `n_numeric` the number of numeric features (`data.numeric_features`).
-    """
-    feature_sizes = tuple(len(vocabs.by_column[name]) for name in vocabs.features)
+def model_config_from(settings: Model, encoder: JourneyEncoder) -> ModelConfig:
+    """The `ModelConfig` of the `model` config section, sized by the fitted `encoder` alone:
+    its event types, every input's embedding tables and continuous inputs, its time buckets
+    and the most recent events it reads (`max_len`). The settings give the architecture."""
+    inputs = encoder.inputs
     return model_config_from_sizes(
-        settings, len(vocabs.event_type), feature_sizes, max_len, n_numeric
+        settings,
+        vocab_size=len(inputs.event_type),
+        feature_vocab_sizes=inputs.embedding_sizes,
+        n_time_buckets=inputs.time.n_buckets,
+        n_continuous=inputs.n_continuous,
+        max_len=encoder.max_len,
     )
 
 
 def model_config_from_sizes(
     settings: Model,
+    *,
     vocab_size: int,
-    feature_vocab_sizes: tuple[int, ...],
+    feature_vocab_sizes: tuple[int, ...] = (),
+    n_time_buckets: int,
+    n_continuous: int,
     max_len: int,
-    n_numeric: int = 0,
 ) -> ModelConfig:
-    """The `ModelConfig` of the `model` config section with explicit vocabulary sizes."""
-    buckets = settings.numeric_encoding == "buckets"
-    if buckets:  # padding, missing, then the buckets (`BUCKETED_INPUTS`)
-        bucket_vocab = settings.numeric_buckets + 2
-        feature_vocab_sizes = (
-            *feature_vocab_sizes,
-            *(bucket_vocab,) * (len(BUCKETED_INPUTS) * n_numeric),
-        )
+    """The `ModelConfig` of the `model` config section with every input size given: for
+    models of made-up inputs (benchmarks, tests); `model_config_from` reads them from an
+    encoder."""
     return ModelConfig(
         vocab_size=vocab_size,
         feature_vocab_sizes=feature_vocab_sizes,
-        n_time_buckets=settings.time_buckets,
+        n_time_buckets=n_time_buckets,
         d_model=settings.d_model,
         n_heads=settings.n_heads,
         n_layers=settings.n_layers,
@@ -261,8 +118,8 @@ def model_config_from_sizes(
         pooling=settings.pooling,
         causal=settings.causal,
         max_len=max_len,
-        visit_bucket=visit_bucket(settings),
-        n_continuous=continuous_count(settings.time_encodings, n_numeric, buckets=buckets),
+        visit_bucket=visit_bucket(settings, n_time_buckets),
+        n_continuous=n_continuous,
         wide=settings.wide,
         continuous_encoding=settings.continuous_encoding,
     )
@@ -276,13 +133,13 @@ class EncodedJourneys:
     """
 
     tokens: Tensor  # [N] event-type ids
-    features: Tensor  # [F, N] feature ids, features in vocabulary order
+    features: Tensor  # [F, N] ids, one row per embedding table of the inputs, in their order
     time_buckets: Tensor  # [N] time-since-previous-event buckets
     offsets: Tensor  # [n + 1] int64
     labels: Tensor  # [n] float32 (0 where the frame has no label)
     journey_ids: pl.Series | None  # [n] kept aside for joining scores back
-    feature_names: tuple[str, ...] = ()
-    continuous: Tensor | None = None  # [C, N] float32 (`ContinuousInputs`), None: none
+    feature_names: tuple[str, ...] = ()  # the input each row of `features` embeds
+    continuous: Tensor | None = None  # [C, N] float32 (`EventInputs.n_continuous`), None: none
 
     def __len__(self) -> int:
         return self.offsets.numel() - 1
@@ -297,36 +154,20 @@ class EncodedJourneys:
         return self.tokens.numel()
 
 
-def numeric_input_exprs(i: int, centre: float, scale: float) -> dict[str, pl.Expr]:
-    """The `NUMERIC_INPUTS` of the i-th numeric feature, on the exploded events of
-    `encode_journeys` (its value `n{i}`, relative value `r{i}` and that carried `l{i}`)."""
-    return {
-        "value": ((pl.col(f"n{i}").arcsinh() - centre) / scale).fill_null(0.0),
-        "missing": pl.col(f"n{i}").is_null(),
-        "relative": (pl.col(f"r{i}") / scale).fill_null(0.0),
-        "carried": (pl.col(f"l{i}") / scale).fill_null(0.0),
-    }
-
-
 def encode_journeys(
-    frame: pl.DataFrame,
-    vocabs: Vocabularies,
-    n_time_buckets: int,
-    max_len: int | None = None,
-    continuous: ContinuousInputs | None = None,
+    frame: pl.DataFrame, inputs: EventInputs, max_len: int | None = None
 ) -> EncodedJourneys:
     """Journeys frame (the ingest schema) -> `EncodedJourneys`, in the frame's row order.
 
-    Unknown tokens and missing values map to id 1. With `max_len`, only the most recent
-    `max_len` events of a journey are kept (as ingest does); time gaps are measured within
-    the kept events, so the first kept event always gets bucket 1. With `continuous`,
-    its inputs are computed too (`EncodedJourneys.continuous`, in its order).
+    Each event's type, time and `inputs.columns`, as `inputs` describes them: ids of the
+    event type and of each input's embedding tables (unknown tokens and missing values map
+    to id 1), the time bucket, and the time's and the inputs' continuous inputs, in their
+    order. With `max_len`, only the most recent `max_len` events of a journey are kept (as
+    ingest does); time gaps are measured within the kept events, so the first kept event
+    always gets bucket 1.
     """
-    features = vocabs.features
-    sequences = ["event_type", *features]
-    continuous = continuous or ContinuousInputs()
-    zone, numeric = continuous.timezone, continuous.numeric_names
-    needed = ["event_time", *sequences, *numeric]
+    columns = inputs.columns
+    needed = ["event_time", "event_type", *inputs.names]
     missing = [c for c in needed if c not in frame.columns]
     if missing:
         raise InputError(f"journeys frame lacks column(s) {missing}")
@@ -334,27 +175,21 @@ def encode_journeys(
     def kept(column: str) -> pl.Expr:
         return pl.col(column).list.tail(max_len) if max_len else pl.col(column)
 
-    # Renamed so that a feature cannot collide with our own column names.
+    # Renamed so that an input cannot collide with our own column names.
+    keyed = [(f"i{k}", column) for k, column in enumerate(columns)]
+    steps = [column.lists(kept(column.name), key) for key, column in keyed]
     times = kept("event_time")
     lists = frame.select(
-        *(kept(c).alias(f"s{i}") for i, c in enumerate(sequences)),
+        kept("event_type").alias("s0"),
+        *(expr for step in steps for expr in step[0]),
         times.alias("time"),
-        *(kept(name).cast(pl.List(pl.Float64)).alias(f"n{i}") for i, name in enumerate(numeric)),
         # Per journey, repeated on each of its events by the explode: which, and its start.
         pl.int_range(pl.len()).alias("journey"),
         times.list.first().alias("start"),
     )
-    bucketed = bool(continuous.bucket_edges)
-    read = () if bucketed else NUMERIC_INPUTS[: continuous.numeric_inputs]
-    if bucketed or "relative" in read:
+    for depth in range(1, max((len(step) for step in steps), default=1)):
         lists = lists.with_columns(
-            pl.col(f"n{i}").list.eval(relative_to_earlier(pl.element().arcsinh())).alias(f"r{i}")
-            for i in range(len(numeric))
-        )
-    if "carried" in read:
-        lists = lists.with_columns(
-            pl.col(f"r{i}").list.eval(pl.element().forward_fill()).alias(f"l{i}")
-            for i in range(len(numeric))
+            expr for step in steps if len(step) > depth for expr in step[depth]
         )
     list_columns = [c for c in lists.columns if c not in ("journey", "start")]
     lengths = lists.select(pl.col(c).list.len().fill_null(0).cast(pl.Int64) for c in list_columns)
@@ -367,17 +202,10 @@ def encode_journeys(
             "event_type"
         )
 
-    inputs = [
-        *(
-            time_encoding_exprs(pl.col("gap"), pl.col("since_start"), pl.col("time"), zone)
-            if zone
-            else []
-        ),
-        *(
-            numeric_input_exprs(i, centre, scale)[name]
-            for i, (_, centre, scale) in enumerate(() if bucketed else continuous.numeric)
-            for name in read
-        ),
+    ids = [expr for key, column in keyed for expr in column.ids(key)]
+    continuous = [
+        *inputs.time.continuous(pl.col("gap"), pl.col("since_start"), pl.col("time")),
+        *(expr for key, column in keyed for expr in column.continuous(key)),
     ]
     # Gaps on the flat events, not per list (`gap_seconds_expr`): 2x faster, same values.
     same_journey = pl.col("journey") == pl.col("journey").shift(1)
@@ -388,41 +216,22 @@ def encode_journeys(
             ((pl.col("time") - pl.col("start")).dt.total_microseconds() / 1e6).alias("since_start"),
         )
     ).select(
-        vocabs.event_type.ids(pl.col("s0")).cast(pl.Int32).alias("token"),
-        *(
-            vocabs.by_column[name].ids(pl.col(f"s{i + 1}")).cast(pl.Int32).alias(f"f{i}")
-            for i, name in enumerate(features)
-        ),
-        time_bucket_expr(pl.col("gap"), n_time_buckets).cast(pl.Int32).alias("time_bucket"),
-        # In `ContinuousInputs` order, under names of ours (a feature may be called "token").
-        *(expr.cast(pl.Float32).alias(f"c{k}") for k, expr in enumerate(inputs)),
-        *(
-            column
-            for i in range(len(numeric) if bucketed else 0)
-            for column in (
-                pl.col(f"n{i}").arcsinh().alias(f"bv{i}"),
-                pl.col(f"r{i}").alias(f"br{i}"),
-            )
-        ),
+        inputs.event_type.ids(pl.col("s0")).cast(pl.Int32).alias("token"),
+        *(expr.cast(pl.Int32).alias(f"f{j}") for j, expr in enumerate(ids)),
+        inputs.time.bucket(pl.col("gap")).cast(pl.Int32).alias("time_bucket"),
+        *(expr.cast(pl.Float32).alias(f"c{k}") for k, expr in enumerate(continuous)),
     )
     n_events = flat.height
     continuous_tensor = None
-    if inputs:
-        values = flat.select(f"c{k}" for k in range(len(inputs))).to_numpy(writable=True)
+    if continuous:
+        values = flat.select(f"c{k}" for k in range(len(continuous))).to_numpy(writable=True)
         continuous_tensor = torch.from_numpy(np.ascontiguousarray(values.T))
-    if features:
+    if ids:
         # Fortran order [N, F] transposed is a C-contiguous [F, N]: no copy.
-        columns = flat.select(f"f{i}" for i in range(len(features)))
-        feature_tensor = torch.from_numpy(np.ascontiguousarray(columns.to_numpy(writable=True).T))
+        table_ids = flat.select(f"f{j}" for j in range(len(ids)))
+        feature_tensor = torch.from_numpy(np.ascontiguousarray(table_ids.to_numpy(writable=True).T))
     else:
         feature_tensor = torch.zeros(0, n_events, dtype=torch.int32)
-    if bucketed:
-        sources = [f"{kind}{i}" for i in range(len(numeric)) for kind in ("bv", "br")]
-        ids = [
-            bucket_ids(flat.get_column(source).to_numpy(), edges)
-            for source, edges in zip(sources, continuous.bucket_edges, strict=True)
-        ]
-        feature_tensor = torch.cat([feature_tensor, torch.from_numpy(np.stack(ids))])
 
     journey_lengths = _to_torch(lengths.get_column("s0"))
     offsets = torch.zeros(len(journey_lengths) + 1, dtype=torch.int64)
@@ -440,23 +249,24 @@ def encode_journeys(
         offsets=offsets,
         labels=label_tensor,
         journey_ids=frame.get_column("journey_id") if "journey_id" in frame.columns else None,
-        feature_names=tuple(features),
+        feature_names=tuple(c.name for c in columns for _ in c.embedding_sizes),
         continuous=continuous_tensor,
     )
 
 
 @dataclass(frozen=True)
 class JourneyEncoder:
-    """What turns a journeys frame (ingest schema) into the model's input: the train
-    vocabularies, the time-bucket resolution, the most recent events read (`max_len`) and
-    the continuous inputs with train's numeric scaling. Fitted on the train split once
-    (`fit`), stored with the model (`journeys.trained_model`), applied unchanged when
-    scoring: training and scoring encode through this one object."""
+    """What turns a journeys frame (ingest schema) into the model's input: the event inputs
+    fitted on train (`journeys.inputs.EventInputs`: the vocabularies, the time, each
+    numeric feature's scaling) and the most recent events read (`max_len`). Fitted on the
+    train split once (`fit`), stored with the model (`journeys.trained_model`), applied
+    unchanged when scoring: training and scoring encode through this one object, and the
+    model is sized from it (`model_config_from`)."""
 
-    vocabs: Vocabularies
-    n_time_buckets: int
+    inputs: EventInputs
     max_len: int
-    inputs: ContinuousInputs = ContinuousInputs()
+    # `vocab.min_count` of the vocabularies, kept with them in the model's files.
+    vocab_min_count: int = 1
 
     @classmethod
     def fit(
@@ -467,48 +277,39 @@ class JourneyEncoder:
         *,
         max_len: int,
         timezone: str,
-        numeric_features: Sequence[str] = (),
+        columns: Sequence[EventInput] | None = None,
     ) -> JourneyEncoder:
-        """Fit on the train split: numeric scaling (and bucket edges with
-        `model.numeric_encoding: buckets`); time encodings read in `timezone` when
-        `model.time_encodings` is on."""
-        names = list(numeric_features)
-        edges = (
-            numeric_bucket_edges(train, names, settings.numeric_buckets)
-            if settings.numeric_encoding == "buckets"
-            else ()
-        )
-        inputs = ContinuousInputs(
-            timezone if settings.time_encodings else None,
-            numeric_scaling(train, names),
-            bucket_edges=edges,
-        )
-        return cls(vocabs, settings.time_buckets, max_len, inputs)
+        """Fit `columns` (default: the vocabularies' features; `journeys.inputs.columns_of`
+        gives a configuration's) on the train split: `train`'s journeys and the train
+        `vocabs` (`EventInputs.fit`)."""
+        inputs = EventInputs.fit(train, vocabs, settings, timezone=timezone, columns=columns)
+        return cls(inputs, max_len, vocabs.min_count)
+
+    @property
+    def vocabs(self) -> Vocabularies:
+        """The train vocabularies of the event type and the categorical features."""
+        by_column = {"event_type": self.inputs.event_type}
+        by_column |= {c.name: c.vocabulary for c in self.inputs.of_kind(CategoricalInput)}
+        return Vocabularies(by_column=by_column, min_count=self.vocab_min_count)
 
     @property
     def features(self) -> list[str]:
-        """The categorical features the model reads, in vocabulary order."""
-        return self.vocabs.features
+        """The categorical features the model reads, in order."""
+        return [column.name for column in self.inputs.of_kind(CategoricalInput)]
 
     @property
     def numeric_features(self) -> list[str]:
-        return self.inputs.numeric_names
+        return [column.name for column in self.inputs.of_kind(NumericInput)]
 
     @property
     def event_columns(self) -> list[str]:
         """The per-event columns read besides event types and times (as
         `config.Data.event_columns`): features, then numbers."""
-        return [*self.features, *self.numeric_features]
+        return self.inputs.names
 
     def encode(self, frame: pl.DataFrame) -> EncodedJourneys:
         """`frame` as the model's input, in the frame's row order."""
-        return encode_journeys(frame, self.vocabs, self.n_time_buckets, self.max_len, self.inputs)
-
-
-def bucket_ids(values: np.ndarray, edges: tuple[float, ...]) -> np.ndarray:
-    """int32 bucket id per value: 1 where missing (NaN), else 2 + the edges at or below it."""
-    ids = np.searchsorted(np.asarray(edges, dtype=np.float64), values, side="right") + 2
-    return np.where(np.isnan(values), 1, ids).astype(np.int32)
+        return encode_journeys(frame, self.inputs, self.max_len)
 
 
 def _to_torch(series: pl.Series) -> Tensor:

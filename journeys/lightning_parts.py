@@ -18,6 +18,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -35,7 +36,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAUROC
 
 from journeys.config import Model
-from journeys.datasets import SPLITS, training_journeys
+from journeys.datasets import SPLITS, dataset_features, training_journeys
 from journeys.encoding import (
     DEFAULT_BUCKET_BATCHES,
     EncodedJourneys,
@@ -45,6 +46,7 @@ from journeys.encoding import (
     sample_negatives,
 )
 from journeys.errors import ConfigError, InputError
+from journeys.inputs import EventInput, columns_of
 from journeys.model import JourneyTransformer, ModelConfig
 from journeys.vocab import Vocabularies
 
@@ -94,7 +96,8 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
 
 class JourneyDataModule(L.LightningDataModule):
     """Train/val/test loaders from the journeys folder's `split` column, encoded by a
-    `JourneyEncoder` fitted on the train split at `setup` (what the trained model keeps).
+    `JourneyEncoder` fitted on the train split at `setup` (what the trained model keeps) for
+    the per-event `columns` (`journeys.inputs`; None: the vocabularies' features).
 
     Censored journeys (unknown label, split `none`) are never in train/val/test. Scoring
     does not go through here: `journeys.inference.run_model` batches any encoded frame.
@@ -108,7 +111,7 @@ class JourneyDataModule(L.LightningDataModule):
         max_len: int,
         model_settings: Model | None = None,
         timezone: str = "UTC",
-        numeric_features: list[str] | None = None,
+        columns: Sequence[EventInput] | None = None,
         batch_size: int = 256,
         eval_batch_size: int | None = None,
         num_workers: int = 0,
@@ -125,7 +128,7 @@ class JourneyDataModule(L.LightningDataModule):
         self.max_len = max_len
         self.model_settings = model_settings or Model()
         self.timezone = timezone
-        self.numeric_features = list(numeric_features or [])
+        self.columns = None if columns is None else tuple(columns)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
@@ -144,15 +147,16 @@ class JourneyDataModule(L.LightningDataModule):
         negative_fraction: float = 1.0,
         batch_size: int | None = None,
     ) -> JourneyDataModule:
-        """The data module of `config`; `batch_size` overrides `train.batch_size` (the
-        run's `step_schedule`)."""
+        """The data module of `config`, reading the per-event columns its `data` section
+        declares (its features resolved as ingest kept them: `dataset_features`);
+        `batch_size` overrides `train.batch_size` (the run's `step_schedule`)."""
         return cls(
             config.paths.journeys,
             vocabs,
             max_len=config.journey.max_events,
             model_settings=config.model,
             timezone=config.data.timezone,
-            numeric_features=config.data.numeric_features,
+            columns=columns_of(dataset_features(config).data),
             batch_size=batch_size or config.train.batch_size,
             eval_batch_size=config.train.batch_size,
             num_workers=config.train.num_workers,
@@ -168,10 +172,16 @@ class JourneyDataModule(L.LightningDataModule):
         return self._vocabs
 
     def _columns(self) -> list[str]:
-        return [
-            "journey_id", "label", "event_type", "event_time",
-            *self.vocabs.features, *self.numeric_features,
-        ]  # fmt: skip
+        names = self.vocabs.features if self.columns is None else [c.name for c in self.columns]
+        return ["journey_id", "label", "event_type", "event_time", *names]
+
+    @property
+    def fitted_encoder(self) -> JourneyEncoder:
+        """The encoder fitted on the train split (read and fitted here when not yet): what
+        sizes the model (`journeys.encoding.model_config_from`) and what it keeps."""
+        self.setup()
+        assert self.encoder is not None
+        return self.encoder
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
@@ -181,14 +191,15 @@ class JourneyDataModule(L.LightningDataModule):
             .select("split", *self._columns())
             .collect()
         )
-        # Numbers are scaled with the train split's statistics only, stored with the model.
+        # Inputs are fitted on the train split only (vocabularies, numbers' scaling), stored
+        # with the model.
         self.encoder = JourneyEncoder.fit(
             frame.filter(pl.col("split") == "train"),
             self.vocabs,
             self.model_settings,
             max_len=self.max_len,
             timezone=self.timezone,
-            numeric_features=self.numeric_features,
+            columns=self.columns,
         )
         for split in SPLITS:
             self.splits[split] = self.encoder.encode(frame.filter(pl.col("split") == split))

@@ -3,11 +3,12 @@
 Everything the model does is in this file, in the spirit of nanoGPT's `model.py`:
 
 - each event is the sum of embeddings of its event type, each categorical feature, the
-  time since the previous event (bucketed in `journeys.encoding`) and the gap that opened its
-  visit (the latest gap of at least `visit_bucket`), plus a linear projection of its
-  `n_continuous` continuous inputs (time encodings, numeric features); id 0 is padding
+  time since the previous event (bucketed by `journeys.inputs.TimeInput`) and the gap that
+  opened its visit (the latest gap of at least `visit_bucket`), plus a linear projection of
+  its `n_continuous` continuous inputs (time encodings, numeric features); id 0 is padding
   everywhere;
-  `journeys.encoding.model_config_from` builds the `ModelConfig` from the configuration;
+  `journeys.encoding.model_config_from` sizes the `ModelConfig` from the fitted encoder
+  (its per-event inputs, `journeys.inputs`) and the `model` section's architecture;
 - a positional encoding (fixed sinusoid, learned table, or none) is added;
 - `n_layers` transformer blocks (self-attention + GELU feed-forward, pre- or post-norm);
 - the journey is pooled (a prepended CLS token, the mean of real events, or the last real

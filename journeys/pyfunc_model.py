@@ -7,11 +7,13 @@ MLflow copies this file into the logged model and runs it on `mlflow.pyfunc.load
 
 `predict` takes journeys, one row per journey (a pandas or Polars DataFrame, records, or
 the JSON body `mlflow models serve` receives): `event_type`, `event_time` (ISO 8601 text
-or epoch numbers) and one list column per feature (`journeys.serving`). Per journey it returns what `journeys score` writes for it,
-through the same `score_frame`: `conversion_probability` (temperature-calibrated),
-`n_events` (the most recent events the model read), `attention` (one weight per event
-read) and, for causal models, `prefix_probability`. Bad input raises an `MlflowException`
-with one line, which the scoring server answers with HTTP 400 (docs/serving.md).
+or epoch numbers) and one list column per per-event input of the model (its features and
+numbers, `journeys.inputs`; read by `journeys.serving`). Per journey it returns what
+`journeys score` writes for it, through the same `score_frame`: `conversion_probability`
+(temperature-calibrated), `n_events` (the most recent events the model read), `attention`
+(one weight per event read) and, for causal models, `prefix_probability`. Bad input raises
+an `MlflowException` with one line, which the scoring server answers with HTTP 400
+(docs/serving.md).
 """
 
 from __future__ import annotations
@@ -48,10 +50,7 @@ class JourneyConversionModel(mlflow.pyfunc.PythonModel):
         trained = self.trained
         try:
             frame = journeys_from_request(
-                model_input,
-                trained.encoder.features,
-                trained.rules.timezone,
-                trained.encoder.numeric_features,
+                model_input, trained.encoder.inputs.columns, trained.rules.timezone
             )
         except JourneysError as err:
             # Only an MlflowException keeps its message: the scoring server answers any

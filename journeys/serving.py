@@ -3,11 +3,14 @@
 The logged pyfunc (`journeys/pyfunc_model.py`) carries `signature` and `example`: one
 record per journey, a list per event attribute. `journeys_from_request` turns such records
 into the ingest schema, with ingest's own timestamp parser, and one-line errors that the
-scoring server answers with HTTP 400.
+scoring server answers with HTTP 400. Which list columns a journey may carry besides its
+event types and times, and how each is read, comes from the model's per-event inputs
+(`journeys.inputs`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from journeys.errors import InputError, first_line
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
     import polars as pl
     from mlflow.models import ModelSignature
 
-    from journeys.vocab import Vocabularies
+    from journeys.inputs import EventInput, EventInputs
 
 # What `mlflow models serve` answers per journey: the columns `journeys score` writes for it.
 SERVED_COLUMNS = ("conversion_probability", "n_events", "attention", "prefix_probability")
@@ -25,12 +28,10 @@ SERVED_COLUMNS = ("conversion_probability", "n_events", "attention", "prefix_pro
 EXAMPLE_TIMES = ("2026-01-01T09:00:00Z", "2026-01-01T09:05:00Z", "2026-01-01T09:20:00Z")
 
 
-def signature(
-    features: list[str], numeric_features: list[str], causal: bool = False
-) -> ModelSignature:
+def signature(columns: Sequence[EventInput], causal: bool = False) -> ModelSignature:
     """The pyfunc's signature: one row per journey, a list column per event attribute,
-    named after the model's own features (optional: one left out is missing on every
-    event).
+    named after the model's own per-event `columns` (optional: one left out is missing on
+    every event).
 
     Lists are `Array(Any)`, not `Array(string)`: event times are ISO 8601 text or epoch
     numbers; MLflow's string check turns a null list element into a truncated "None"
@@ -45,10 +46,7 @@ def signature(
     inputs = [
         ColSpec(Array(AnyType()), "event_type"),
         ColSpec(Array(AnyType()), "event_time"),
-        *(
-            ColSpec(Array(AnyType()), name, required=False)
-            for name in [*features, *numeric_features]
-        ),
+        *(ColSpec(Array(AnyType()), column.name, required=False) for column in columns),
     ]
     outputs = [
         ColSpec(DataType.double, "conversion_probability"),
@@ -60,46 +58,51 @@ def signature(
     return ModelSignature(inputs=Schema(inputs), outputs=Schema(outputs))
 
 
-def example(vocabs: Vocabularies) -> pd.DataFrame:
-    """One made-up journey for the pyfunc's input example, from the vocabularies' most
-    frequent tokens: no real user's events end up in the model's artifacts."""
+def example(inputs: EventInputs) -> pd.DataFrame:
+    """One made-up journey for the pyfunc's input example, of the vocabularies' most
+    frequent tokens (`EventInput.example`: the numbers are left out): no real user's
+    events end up in the model's artifacts."""
     import pandas as pd
 
-    from journeys.vocab import UNK
-
-    def frequent(column: str, n: int) -> list[str]:
-        tokens = list(vocabs.by_column[column].tokens[2:])  # after padding and unknown
-        return [tokens[i % len(tokens)] if tokens else UNK for i in range(n)]
+    from journeys.inputs import frequent_tokens
 
     n = len(EXAMPLE_TIMES)
-    record = {"event_type": frequent("event_type", n), "event_time": list(EXAMPLE_TIMES)}
-    record |= {name: frequent(name, n) for name in vocabs.features}
+    record = {
+        "event_type": frequent_tokens(inputs.event_type, n),
+        "event_time": list(EXAMPLE_TIMES),
+    }
+    for column in inputs.columns:
+        values = column.example(n)
+        if values is not None:
+            record[column.name] = values
     return pd.DataFrame([record])
 
 
 def journeys_from_request(
-    model_input: Any, features: list[str], timezone: str = "UTC", numeric: list[str] | None = None
+    model_input: Any, columns: Sequence[EventInput], timezone: str = "UTC"
 ) -> pl.DataFrame:
-    """Journeys to serve (one row per journey) -> `event_type`, `event_time`, features, in
-    the ingest schema (docs/contract.md, journeys), ready for `score_frame`.
+    """Journeys to serve (one row per journey) -> `event_type`, `event_time` and the
+    model's per-event `columns`, in the ingest schema (docs/contract.md, journeys), ready
+    for `score_frame`.
 
     `model_input` is a pandas or Polars DataFrame, a list of records or one record.
     `event_time` holds ISO 8601 text (`Z`, an offset, or none: then `timezone`, the model's
     `data.timezone`, as ingest reads it), epoch numbers (s, ms, us or ns, told apart by
-    magnitude: ingest's `timestamp_unit: auto`) or datetimes. A feature column that is
-    absent, or null for a journey, is a missing value on every event; values are read as
-    text, as ingest reads them; `numeric` features' values are read as numbers (null:
-    missing). Anything else raises `InputError` with one line.
+    magnitude: ingest's `timestamp_unit: auto`) or datetimes. A column that is absent, or
+    null for a journey, is a missing value on every event; values are read as text, as
+    ingest reads them, then as each column's kind reads text (`EventInput.from_text`: a
+    feature's as they are, a number's as numbers, null: missing). Anything else raises
+    `InputError` with one line.
     """
     import polars as pl
 
     if isinstance(model_input, pl.DataFrame):
         frame = model_input
     else:
-        columns = _request_columns(model_input)
+        sent = _request_columns(model_input)
         try:
             frame = pl.DataFrame(
-                [pl.Series(name, values, strict=False) for name, values in columns.items()]
+                [pl.Series(name, values, strict=False) for name, values in sent.items()]
             )
         except (pl.exceptions.PolarsError, TypeError, ValueError) as err:
             raise InputError(
@@ -108,8 +111,7 @@ def journeys_from_request(
     for name in ("event_type", "event_time"):
         if name not in frame.columns:
             raise InputError(f"journeys to score lack the {name} column (a list per journey)")
-    numeric = list(numeric or [])
-    per_event = [*features, *numeric]
+    per_event = [column.name for column in columns]
     lists = [name for name in ("event_type", "event_time", *per_event) if name in frame.columns]
     # A column null on every journey (or an empty request) has no list type yet.
     frame = frame.with_columns(
@@ -137,28 +139,20 @@ def journeys_from_request(
         ),
     )
     event_types = pl.col("event_type").cast(pl.List(pl.String))
-    # A feature the request leaves out: null on every event, as ingest leaves a value the
+    # A column the request leaves out: null on every event, as ingest leaves a value the
     # log lacks (the vocabularies map it to the unknown id).
     missing = event_types.list.eval(pl.when(pl.lit(False)).then(pl.element()))
+
+    def read(column: EventInput) -> pl.Expr:
+        nothing = missing.cast(pl.List(column.dtype))
+        if column.name not in frame.columns:
+            return nothing.alias(column.name)
+        text = pl.col(column.name).cast(pl.List(pl.String))
+        return pl.coalesce(column.from_text(text), nothing).alias(column.name)
+
     try:
         frame = frame.select(
-            event_types,
-            _parse_event_times(frame, timezone),
-            *(
-                pl.coalesce(pl.col(name).cast(pl.List(pl.String)), missing).alias(name)
-                if name in frame.columns
-                else missing.alias(name)
-                for name in features
-            ),
-            *(
-                pl.coalesce(
-                    pl.col(name).cast(pl.List(pl.String)).list.eval(pl.element().cast(pl.Float64)),
-                    missing.cast(pl.List(pl.Float64)),
-                ).alias(name)
-                if name in frame.columns
-                else missing.cast(pl.List(pl.Float64)).alias(name)
-                for name in numeric
-            ),
+            event_types, _parse_event_times(frame, timezone), *(read(c) for c in columns)
         )
     except pl.exceptions.PolarsError as err:  # e.g. a feature list of lists
         raise InputError(f"journeys to score do not fit the model: {first_line(err)}") from None

@@ -372,12 +372,8 @@ def fit(
     datamodule = JourneyDataModule.from_config(
         config, vocabs, fraction, batch_size=schedule.batch_size
     )
-    model_config = model_config_from(
-        config.model,
-        vocabs,
-        max_len=config.journey.max_events,
-        n_numeric=len(config.data.numeric_features),
-    )
+    # The network is sized by the encoder fitted on train: its inputs, time buckets, max_len.
+    model_config = model_config_from(config.model, datamodule.fitted_encoder)
     module = JourneyModule(model_config, settings, positives / n_train, fraction)
     last = checkpoint_dir / LAST_CHECKPOINT if (resume and checkpoint_dir) else None
     if resume and not (last and last.exists()):
@@ -513,7 +509,7 @@ def transformer_model(
     temperature fitted on val and the train journeys' quiet times (`quiet_survival`)."""
     return TrainedModel(
         model=fitted.module.model,
-        encoder=fitted.datamodule.encoder,
+        encoder=fitted.datamodule.fitted_encoder,
         rules=rules,
         temperature=evaluation.temperature,
         quiet_survival=quiet_survival(journeys, max_gap),

@@ -2,8 +2,9 @@
 
 A `TrainedModel` is the network (`journeys.model.JourneyTransformer`) and what goes with it:
 
-- its `JourneyEncoder` (`journeys.encoding`): the train vocabularies, time buckets, the
-  most recent events read and the continuous inputs with train's numeric scaling;
+- its `JourneyEncoder` (`journeys.encoding`): the per-event inputs fitted on train
+  (`journeys.inputs.EventInputs`: the vocabularies, the time buckets and time encodings,
+  each number's scaling) and the most recent events read;
 - its `JourneyRules`: how raw events became the journeys it saw (columns, time zone,
   event map, conversion and drop events, `max_gap`, ...), applied unchanged when a raw
   log is scored;
@@ -269,17 +270,26 @@ class TrainedModel:
     # ------------------------------------------------------------------------- files
 
     def settings(self) -> dict[str, Any]:
-        """What `preprocessing.json` holds (format `FORMAT_VERSION`)."""
+        """What `preprocessing.json` holds (format `FORMAT_VERSION`). The encoder's inputs
+        (`journeys.inputs.EventInputs`): the time's and the numbers' fitted state here,
+        the event type's and the categorical features' vocabularies in `vocab.json`."""
+        from journeys.inputs import NUMERIC_INPUTS, NumericInput
+
         inputs = self.encoder.inputs
+        numbers = inputs.of_kind(NumericInput)
+        # One count for all numbers: they were fitted together.
+        n_inputs = {number.n_inputs for number in numbers} or {len(NUMERIC_INPUTS)}
+        if len(n_inputs) > 1:
+            raise ValueError(f"numeric features read {sorted(n_inputs)} inputs: one count only")
         return {
             "format_version": FORMAT_VERSION,
             "encoder": {
-                "n_time_buckets": self.encoder.n_time_buckets,
+                "n_time_buckets": inputs.time.n_buckets,
                 "max_len": self.encoder.max_len,
-                "timezone": inputs.timezone,
-                "numeric_scaling": [list(entry) for entry in inputs.numeric],
-                "numeric_inputs": inputs.numeric_inputs,
-                "numeric_bucket_edges": [list(edges) for edges in inputs.bucket_edges],
+                "timezone": inputs.time.timezone,
+                "numeric_scaling": [[n.name, n.centre, n.scale] for n in numbers],
+                "numeric_inputs": n_inputs.pop(),
+                "numeric_bucket_edges": [list(edges) for n in numbers for edges in n.bucket_edges],
             },
             "rules": asdict(self.rules),
             "quiet_survival": self.quiet_survival.to_dict() if self.quiet_survival else None,
@@ -358,6 +368,7 @@ class TrainedModel:
             encoder, rules, survival = _read_settings(
                 stored, Vocabularies.load(folder), model.config
             )
+            _check_sized_by(model.config, encoder)
             stack, baseline = _read_head(folder)
         except Exception as err:  # safetensors, JSON, shape or key errors: a damaged model
             raise InputError(
@@ -381,24 +392,59 @@ class TrainedModel:
 def _read_settings(
     stored: dict[str, Any], vocabs: Vocabularies, config: ModelConfig
 ) -> tuple[JourneyEncoder, JourneyRules, QuietSurvival | None]:
-    """The typed settings of a format-2 `preprocessing.json`."""
-    from journeys.encoding import ContinuousInputs, JourneyEncoder
+    """The typed settings of a format-2 `preprocessing.json`; the encoder's inputs in
+    `journeys.inputs.KINDS` order, as they were trained: the vocabularies' features, then
+    the numbers (whose bucket counts, with bucket edges, are their tables' sizes in
+    `config`, after the features')."""
+    from journeys.encoding import JourneyEncoder
     from journeys.in_flight import QuietSurvival
+    from journeys.inputs import (
+        BUCKETED_INPUTS,
+        CategoricalInput,
+        EventInputs,
+        NumericInput,
+        TimeInput,
+    )
 
     encoder = stored["encoder"]
-    inputs = ContinuousInputs(
-        timezone=encoder["timezone"],
-        numeric=tuple((str(n), float(c), float(s)) for n, c, s in encoder["numeric_scaling"]),
-        numeric_inputs=int(encoder["numeric_inputs"]),
-        bucket_edges=tuple(
-            tuple(float(e) for e in edges) for edges in encoder["numeric_bucket_edges"]
-        ),
+    edges = [tuple(float(e) for e in edges) for edges in encoder["numeric_bucket_edges"]]
+    tables = config.feature_vocab_sizes[len(vocabs.features) :]
+    per_number = len(BUCKETED_INPUTS)
+    numbers = []
+    for i, (name, centre, scale) in enumerate(encoder["numeric_scaling"]):
+        own = slice(i * per_number, (i + 1) * per_number)
+        numbers.append(
+            NumericInput(
+                str(name),
+                float(centre),
+                float(scale),
+                n_inputs=int(encoder["numeric_inputs"]),
+                n_buckets=tables[own.start] - 2 if edges else 0,  # padding and missing
+                bucket_edges=tuple(edges[own]),
+            )
+        )
+    inputs = EventInputs(
+        vocabs.event_type,
+        TimeInput(int(encoder["n_time_buckets"]), encoder["timezone"]),
+        (*(CategoricalInput(n, vocabs.by_column[n]) for n in vocabs.features), *numbers),
     )
     return (
-        JourneyEncoder(vocabs, int(encoder["n_time_buckets"]), int(encoder["max_len"]), inputs),
+        JourneyEncoder(inputs, int(encoder["max_len"]), vocabs.min_count),
         JourneyRules.from_dict(stored["rules"]),
         QuietSurvival.from_dict(stored.get("quiet_survival")),
     )
+
+
+def _check_sized_by(config: ModelConfig, encoder: JourneyEncoder) -> None:
+    """The network is the one its encoder sizes (`journeys.encoding.model_config_from`)."""
+    inputs = encoder.inputs
+    sizes = (len(inputs.event_type), inputs.embedding_sizes, inputs.n_continuous)
+    network = (config.vocab_size, config.feature_vocab_sizes, config.n_continuous)
+    if sizes != network or inputs.time.n_buckets != config.n_time_buckets:
+        raise ValueError(
+            f"the encoder's inputs (event types, tables, continuous inputs: {sizes}) do not "
+            f"fit the network's {network}"
+        )
 
 
 def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
@@ -431,10 +477,9 @@ def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
         stored = json.loads((folder / LEGACY_STACK_FILE).read_text())
         aggregates = JourneyAggregates.from_dict(stored["aggregates"])
         settings = BaselineSettings(
-            features=tuple(aggregates.features),
+            columns=aggregates.columns,
             timezone=aggregates.timezone,
             visit_gap_s=aggregates.visit_gap_s,
-            numeric_features=tuple(aggregates.numeric),
         )
         legacy = HgbAggregates(settings)
         legacy.aggregates, legacy.booster = aggregates, booster(LEGACY_BOOSTER)
@@ -507,11 +552,9 @@ def log_model(trained: TrainedModel) -> Any:
             # more. MLflow still loads the model in-process and serves the example through
             # it (`_validate_serving_input`, a fraction of a second), warning if it fails.
             signature=serving.signature(
-                trained.encoder.features,
-                trained.encoder.numeric_features,
-                causal=bool(trained.config.causal),
+                trained.encoder.inputs.columns, causal=bool(trained.config.causal)
             ),
-            input_example=serving.example(trained.encoder.vocabs),
+            input_example=serving.example(trained.encoder.inputs),
         )
 
 

@@ -10,7 +10,10 @@ import pytest
 from conftest import make_journeys_dataset
 
 from journeys import baselines
+from journeys.inputs import CategoricalInput
 from journeys.metrics import binary_metrics
+
+CHANNEL, DEVICE = CategoricalInput("channel"), CategoricalInput("device")
 
 
 def frame(rows: list[tuple[list[str], list[str], int]]) -> pl.DataFrame:
@@ -62,12 +65,12 @@ def test_last_touch_shrinks_rare_keys_towards_the_base_rate() -> None:
         [(["view", "click"], ["search", "email"], 1)] * 2 + [(["view"], ["search"], 0)] * 98
     )
     test = frame([(["x", "click"], ["y", "email"], 0), (["never_seen"], ["search"], 0)])
-    probs = baselines.fit_predict("last_touch", train, test, ["channel"])
+    probs = baselines.fit_predict("last_touch", train, test, [CHANNEL])
     base = 0.02
     pseudo = baselines.LAST_TOUCH_PSEUDO_COUNT
     assert probs[0] == pytest.approx((2 + pseudo * base) / (2 + pseudo))  # not 100 %
     assert probs[1] == pytest.approx(base)  # unseen key -> base rate
-    assert baselines.fit_predict("prior", train, test, ["channel"]).tolist() == [base, base]
+    assert baselines.fit_predict("prior", train, test, [CHANNEL]).tolist() == [base, base]
 
 
 @pytest.mark.parametrize("bigrams", [False, True])
@@ -79,7 +82,7 @@ def test_learned_baselines_beat_the_prior(tmp_path, bigrams: bool) -> None:
     labels = test.get_column("label").to_numpy()
     auc = {}
     for name in baselines.BASELINES:
-        probs = baselines.fit_predict(name, train, test, ["channel", "device"], bigrams=bigrams)
+        probs = baselines.fit_predict(name, train, test, [CHANNEL, DEVICE], bigrams=bigrams)
         assert probs.shape == (test.height,) and ((probs >= 0) & (probs <= 1)).all()
         auc[name] = binary_metrics(labels, probs)["test_roc_auc"]
     assert auc["prior"] == pytest.approx(0.5)

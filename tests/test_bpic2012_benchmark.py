@@ -247,17 +247,17 @@ def test_one_causal_pass_scores_each_prefix_as_if_scored_alone(tmp_path: Path):
         pl.col(c).list.head(bench.MAX_PREFIX) for c in bench.sequence_columns(config)
     )
     vocabs = bench.build_vocabularies(frame, config)
+    encoder = bench.fit_encoder(frame, vocabs, config, numeric=False)
     torch.manual_seed(0)
-    model_config = model_config_from(config.model, vocabs, max_len=bench.MAX_PREFIX)
-    model = JourneyTransformer(model_config).eval()
-    one_pass = bench.score_prefixes(model, bench.encode_cases(frame, vocabs, config))
+    model = JourneyTransformer(model_config_from(config.model, encoder)).eval()
+    one_pass = bench.score_prefixes(model, bench.encode_cases(frame, encoder))
     for row in (0, 3):
         n = min(frame.row(row, named=True)["n_events"], bench.MAX_PREFIX)
         for k in (1, n // 2, n):
             alone = frame.slice(row, 1).with_columns(
                 pl.col(c).list.head(k) for c in bench.sequence_columns(config)
             )
-            encoded = bench.encode_cases(alone, vocabs, config)
+            encoded = bench.encode_cases(alone, encoder)
             expected = bench.score_prefixes(model, encoded).get_column("probability")[-1]
             got = one_pass.filter((pl.col("case_row") == row) & (pl.col("prefix_len") == k))
             assert got.get_column("probability")[0] == pytest.approx(expected, abs=1e-5)

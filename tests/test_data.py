@@ -19,9 +19,9 @@ from journeys.encoding import (
     fraction_of_negatives,
     make_dataloader,
     sample_negatives,
-    time_bucket_expr,
 )
 from journeys.errors import InputError
+from journeys.inputs import CategoricalInput, EventInputs, TimeInput, time_bucket_expr
 from journeys.lightning_parts import JourneyDataModule
 from journeys.vocab import Vocabularies, Vocabulary
 
@@ -48,6 +48,12 @@ VOCABS = Vocabularies(
         "device": Vocabulary(("<pad>", "<unk>", "mobile", "desktop")),
     }
 )
+
+
+def described(timezone: str | None = None) -> EventInputs:
+    """The event inputs of `VOCABS` (32 time buckets; time encodings read in `timezone`)."""
+    features = (CategoricalInput(name, VOCABS.by_column[name]) for name in VOCABS.features)
+    return EventInputs(VOCABS.event_type, TimeInput(32, timezone), tuple(features))
 
 
 def journey(jid: str, events: list[tuple[str, float, str, str]], label: int, split: str) -> dict:
@@ -105,7 +111,7 @@ def frame() -> pl.DataFrame:
 
 
 def test_encode_gives_flat_ids_offsets_and_buckets(frame: pl.DataFrame) -> None:
-    encoded = encode_journeys(frame, VOCABS, n_time_buckets=32)
+    encoded = encode_journeys(frame, described())
     assert len(encoded) == 5
     assert encoded.offsets.tolist() == [0, 3, 4, 6, 10, 12]
     assert encoded.lengths.tolist() == [3, 1, 2, 4, 2]
@@ -134,7 +140,7 @@ def test_time_buckets_are_log_scaled_and_clipped() -> None:
 
 
 def test_max_len_keeps_the_most_recent_events(frame: pl.DataFrame) -> None:
-    encoded = encode_journeys(frame, VOCABS, n_time_buckets=32, max_len=2)
+    encoded = encode_journeys(frame, described(), max_len=2)
     assert encoded.lengths.tolist() == [2, 1, 2, 2, 2]
     assert encoded.tokens[:2].tolist() == [3, 1]  # j1's click and banana
     assert encoded.time_buckets[:2].tolist() == [1, 12]  # the first kept event starts at 0
@@ -142,14 +148,14 @@ def test_max_len_keeps_the_most_recent_events(frame: pl.DataFrame) -> None:
 
 def test_bad_frames_are_refused(frame: pl.DataFrame) -> None:
     with pytest.raises(InputError, match="device"):
-        encode_journeys(frame.drop("device"), VOCABS, n_time_buckets=32)
+        encode_journeys(frame.drop("device"), described())
     ragged = frame.with_columns(pl.col("channel").list.head(1))
     with pytest.raises(InputError, match="4 journey"):
-        encode_journeys(ragged, VOCABS, n_time_buckets=32)
+        encode_journeys(ragged, described())
 
 
 def test_collate_pads_to_the_longest_journey_in_the_batch(frame: pl.DataFrame) -> None:
-    encoded = encode_journeys(frame, VOCABS, n_time_buckets=32)
+    encoded = encode_journeys(frame, described())
     batch = JourneyCollator(encoded)([1, 2])
     assert batch.tokens.tolist() == [[3, 0], [2, 2]]
     assert batch.mask.tolist() == [[True, False], [True, True]]
@@ -264,7 +270,7 @@ def test_lightning_injects_a_distributed_sampler_into_the_grouped_sampler(frame)
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
 
-    encoded = encode_journeys(pl.concat([frame] * 20), VOCABS, n_time_buckets=32)
+    encoded = encode_journeys(pl.concat([frame] * 20), described())
     with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
         train = make_dataloader(encoded, 8, shuffle=True, seed=0)
         val = make_dataloader(encoded, 8, shuffle=False)
@@ -316,7 +322,7 @@ def test_negative_sampling_keeps_every_positive_and_a_fresh_share_of_negatives(f
     from lightning.pytorch.trainer.states import RunningStage
     from lightning.pytorch.utilities.data import _update_dataloader
 
-    encoded = encode_journeys(pl.concat([frame] * 200), VOCABS, n_time_buckets=32)
+    encoded = encode_journeys(pl.concat([frame] * 200), described())
     encoded = dataclasses.replace(encoded, labels=labels)
     subset = epochs[0]
     with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
@@ -345,9 +351,9 @@ def test_batches_feed_the_model(tmp_path, frame) -> None:
         max_len=8,
         batch_size=4,  # time encodings in UTC, as by default
     )
-    config = model_config_from(Model(d_model=16, n_heads=2, time_buckets=32), VOCABS, 8)
-    model = JourneyTransformer(config).eval()  # time encodings on, as by default
-    module.setup()
+    settings = Model(d_model=16, n_heads=2, time_buckets=32)
+    model = JourneyTransformer(model_config_from(settings, module.fitted_encoder)).eval()
+    assert model.config.n_continuous == 6  # time encodings on, as by default
     batch = next(iter(make_dataloader(module.encoder.encode(frame), 4)))
     out = model(
         batch.tokens, batch.features, batch.time_buckets, batch.mask,
@@ -362,9 +368,9 @@ def test_time_encodings_read_gaps_durations_and_local_time(frame: pl.DataFrame) 
     the first event (kept events only), and the local hour and weekday on a circle."""
     import math
 
-    from journeys.encoding import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
+    from journeys.inputs import LOG_SECONDS_SCALE, TIME_ENCODINGS
 
-    encoded = encode_journeys(frame, VOCABS, 32, continuous=ContinuousInputs("Asia/Kolkata"))
+    encoded = encode_journeys(frame, described("Asia/Kolkata"))
     assert encoded.continuous is not None
     assert encoded.continuous.shape == (len(TIME_ENCODINGS), encoded.n_events)
     values = dict(zip(TIME_ENCODINGS, encoded.continuous.tolist(), strict=True))
@@ -381,11 +387,11 @@ def test_time_encodings_read_gaps_durations_and_local_time(frame: pl.DataFrame) 
     assert values["weekday_sin"][0] == pytest.approx(math.sin(weekday), abs=1e-6)
     assert values["weekday_cos"][0] == pytest.approx(math.cos(weekday), abs=1e-6)
     # Off by default; batches carry them padded with zeros when on.
-    assert encode_journeys(frame, VOCABS, 32).continuous is None
+    assert encode_journeys(frame, described()).continuous is None
     batch = JourneyCollator(encoded)([1, 2])
     assert batch.continuous.shape == (2, len(TIME_ENCODINGS), 2)
     assert (batch.continuous[0, :, 1] == 0).all()  # j2's padded slot
-    kept = encode_journeys(frame, VOCABS, 32, max_len=2, continuous=ContinuousInputs("UTC"))
+    kept = encode_journeys(frame, described("UTC"), max_len=2)
     assert kept.continuous[1, 0] == 0.0  # since the first KEPT event, like the gaps
 
 
@@ -396,8 +402,8 @@ def test_gaps_and_durations_restart_at_every_journey(max_len: int | None) -> Non
     (`gap_seconds_expr`) gives, however long the previous journey ran."""
     import math
 
-    from journeys.encoding import LOG_SECONDS_SCALE, TIME_ENCODINGS, ContinuousInputs
     from journeys.encoding import gap_seconds_expr as per_list_gaps
+    from journeys.inputs import LOG_SECONDS_SCALE, TIME_ENCODINGS
 
     starts = [0, 10, 5_000, 3, 86_400]  # later journeys start before earlier ones end too
     rows = [
@@ -416,7 +422,7 @@ def test_gaps_and_durations_restart_at_every_journey(max_len: int | None) -> Non
     since = reference.get_column("since").explode().to_list()
     assert gaps.count(0.0) == len(starts)  # one first event per journey
 
-    encoded = encode_journeys(frame, VOCABS, 32, max_len, ContinuousInputs("UTC"))
+    encoded = encode_journeys(frame, described("UTC"), max_len)
     values = dict(zip(TIME_ENCODINGS, encoded.continuous.tolist(), strict=True))
     assert values["log_gap"] == pytest.approx(
         [math.log1p(g) / LOG_SECONDS_SCALE for g in gaps], abs=1e-6

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import polars as pl
 import pytest
 import torch
 import torch.nn.functional as F
 
 from journeys.config import Model
-from journeys.encoding import model_config_from, model_config_from_sizes
+from journeys.encoding import JourneyEncoder, model_config_from, model_config_from_sizes
 from journeys.model import JourneyTransformer, ModelConfig, attention_rollout
 from journeys.vocab import Vocabularies, Vocabulary
 
@@ -262,8 +263,11 @@ def test_config_from_settings_round_trips_and_weights_reload() -> None:
             "device": Vocabulary(("<pad>", "<unk>", "mobile", "desktop", "tv")),
         }
     )
-    config = model_config_from(Model(d_model=16, n_heads=2), vocabs, max_len=MAX_LEN)
+    settings = Model(d_model=16, n_heads=2)
+    encoder = JourneyEncoder.fit(pl.DataFrame(), vocabs, settings, max_len=MAX_LEN, timezone="UTC")
+    config = model_config_from(settings, encoder)
     assert (config.vocab_size, config.feature_vocab_sizes) == (4, (3, 5))
+    assert (config.max_len, config.n_time_buckets) == (MAX_LEN, settings.time_buckets)
     assert ModelConfig.from_dict(config.to_dict()) == config
 
     model = tiny()
@@ -294,7 +298,9 @@ def test_attention_dropout_drops_attention_weights_in_training_only() -> None:
     assert not torch.allclose(first, dropping(**inputs).logits)
     torch.testing.assert_close(dropping.eval()(**inputs).logits, plain.eval()(**inputs).logits)
     settings = Model(d_model=16, n_heads=2, attention_dropout=0.2)
-    assert model_config_from_sizes(settings, VOCAB, FEATURES, MAX_LEN).attention_dropout == 0.2
+    sizes = dict(feature_vocab_sizes=FEATURES, n_time_buckets=BUCKETS, n_continuous=0)
+    config = model_config_from_sizes(settings, vocab_size=VOCAB, max_len=MAX_LEN, **sizes)
+    assert config.attention_dropout == 0.2
 
 
 def hour_journeys(n: int, seed: int):
@@ -348,15 +354,13 @@ def fit_and_test_auc(model: JourneyTransformer, train, test, epochs: int) -> flo
 def test_time_encodings_let_the_model_learn_the_hour_of_day(time_encodings: bool) -> None:
     """The hour of day is invisible to gap buckets: a model learns a conversion that
     depends on it only with `model.time_encodings` (AUC ~0.5 without, near 1 with)."""
-    from journeys.encoding import ContinuousInputs, encode_journeys
-
     vocabs = Vocabularies(by_column={"event_type": Vocabulary(("<pad>", "<unk>", "view", "click"))})
     settings = Model(d_model=16, n_heads=2, n_layers=1, time_encodings=time_encodings)
+    encoder = JourneyEncoder.fit(pl.DataFrame(), vocabs, settings, max_len=8, timezone="UTC")
     torch.manual_seed(0)
-    model = JourneyTransformer(model_config_from(settings, vocabs, max_len=8))
-    zone = ContinuousInputs("UTC" if time_encodings else None)
-    train = encode_journeys(hour_journeys(3000, seed=0), vocabs, 32, 8, zone)
-    test = encode_journeys(hour_journeys(1000, seed=1), vocabs, 32, 8, zone)
+    model = JourneyTransformer(model_config_from(settings, encoder))
+    train = encoder.encode(hour_journeys(3000, seed=0))
+    test = encoder.encode(hour_journeys(1000, seed=1))
     auc = fit_and_test_auc(model, train, test, epochs=3)
     if time_encodings:
         assert auc > 0.9

@@ -5,7 +5,6 @@ strong baseline."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import subprocess
 from datetime import UTC, datetime, timedelta
@@ -18,24 +17,32 @@ import torch
 from test_ingest import assert_accounting, config_for
 from test_model import fit_and_test_auc
 
-from journeys import baselines
 from journeys.config import Model
-from journeys.encoding import (
-    ContinuousInputs,
+from journeys.encoding import JourneyEncoder, encode_journeys, model_config_from
+from journeys.errors import InputError
+from journeys.ingest import ingest, run_ingest
+from journeys.inputs import (
+    EventInputs,
+    NumericInput,
     NumericScaling,
-    continuous_count,
-    encode_journeys,
+    TimeInput,
     numeric_bucket_edges,
     numeric_scaling,
 )
-from journeys.encoding import model_config_from as sized
-from journeys.errors import InputError
-from journeys.ingest import ingest, run_ingest
 from journeys.model import JourneyTransformer
 from journeys.vocab import Vocabularies, Vocabulary
 from tests.test_reliability import ENV, TINY, cli, path_args, sets
 
 START = datetime(2026, 1, 5, tzinfo=UTC)
+
+
+def priced(
+    vocabs: Vocabularies, scaling: NumericScaling, timezone: str | None = None, **number
+) -> EventInputs:
+    """The event inputs of `vocabs`' event types and the numbers `scaling` scales (each
+    with `number`'s settings), without time encodings unless `timezone`."""
+    numbers = tuple(NumericInput(name, c, s, **number) for name, c, s in scaling)
+    return EventInputs(vocabs.event_type, TimeInput(32, timezone), numbers)
 
 
 def priced_log(n_users: int, seed: int, missing: float = 0.1) -> pl.DataFrame:
@@ -117,7 +124,7 @@ def test_scaling_comes_from_train_and_is_applied_unchanged() -> None:
         event_type=pl.lit(["view"] * 3),
         event_time=pl.lit([START + timedelta(seconds=s) for s in (0, 5, 9)]),
     )
-    encoded = encode_journeys(later, vocabs, 32, continuous=ContinuousInputs(None, scaling))
+    encoded = encode_journeys(later, priced(vocabs, scaling))
     _, centre, scale = scaling[0]
     relative = (math.asinh(10.0) - math.asinh(1000.0)) / scale
     # [value, flag, against the earlier values, that carried forward] x [1000, 10, missing]
@@ -132,7 +139,7 @@ def test_scaling_comes_from_train_and_is_applied_unchanged() -> None:
     ]
     # Models from before the later inputs read the first two or three only.
     for n in (2, 3):
-        older = encode_journeys(later, vocabs, 32, continuous=ContinuousInputs(None, scaling, n))
+        older = encode_journeys(later, priced(vocabs, scaling, n_inputs=n))
         assert older.continuous.tolist() == encoded.continuous[:n].tolist()
 
 
@@ -155,13 +162,17 @@ def test_bucket_edges_come_from_train_and_bucket_ids_are_applied_unchanged() -> 
         },
         schema_overrides={"event_time": pl.List(pl.Datetime("us", "UTC"))},
     )
-    inputs = ContinuousInputs(None, numeric_scaling(train, ["price"]), bucket_edges=edges)
-    encoded = encode_journeys(later, vocabs, 32, continuous=inputs)
+    settings = Model(numeric_encoding="buckets", numeric_buckets=2, time_encodings=False)
+    encoder = JourneyEncoder.fit(
+        train, vocabs, settings, max_len=8, timezone="UTC", columns=[NumericInput("price")]
+    )
+    (number,) = encoder.inputs.columns
+    assert number.bucket_edges == edges and number.n_buckets == 2
+    encoded = encoder.encode(later)
     assert encoded.continuous is None
     # value: 1000 above the median, missing, 2 below; relative: none earlier, missing, far down
     assert encoded.features.tolist() == [[3, 1, 2], [1, 1, 2]]
-    settings = Model(numeric_encoding="buckets", numeric_buckets=2, time_encodings=False)
-    config = sized(settings, vocabs, max_len=8, n_numeric=1)
+    config = model_config_from(settings, encoder)
     assert config.feature_vocab_sizes == (4, 4) and config.n_continuous == 0
 
 
@@ -177,8 +188,8 @@ def test_a_number_may_be_called_like_an_internal_column() -> None:
         },
         schema_overrides={"event_time": pl.List(pl.Datetime("us", "UTC"))},
     )
-    inputs = ContinuousInputs("UTC", (("token", 0.0, 1.0), ("log_gap", 0.0, 1.0)))
-    encoded = encode_journeys(frame, vocabs, 32, continuous=inputs)
+    inputs = priced(vocabs, (("token", 0.0, 1.0), ("log_gap", 0.0, 1.0)), "UTC")
+    encoded = encode_journeys(frame, inputs)
     assert encoded.tokens.tolist() == [2, 2]
     assert encoded.continuous.shape == (6 + 8, 2)
     # token's value, flag, relative and carried values, then log_gap's, over the two events
@@ -208,16 +219,16 @@ def test_a_price_that_drives_conversion_raises_the_models_auc(encoding: str) -> 
     vocabs = Vocabularies(by_column={"event_type": Vocabulary(("<pad>", "<unk>", "view", "click"))})
     auc = {}
     for with_price in (False, True):
-        names = ["price"] if with_price else []
-        edges = numeric_bucket_edges(frames["train"], names, 16) if encoding == "buckets" else ()
-        inputs = ContinuousInputs(None, numeric_scaling(frames["train"], names), bucket_edges=edges)
-        torch.manual_seed(0)
+        columns = [NumericInput("price")] if with_price else []
         settings = Model(
             d_model=16, n_heads=2, n_layers=1, time_encodings=False, numeric_encoding=encoding
         )
-        model = JourneyTransformer(sized(settings, vocabs, max_len=8, n_numeric=len(names)))
-        train = encode_journeys(frames["train"], vocabs, 32, 8, inputs)
-        test = encode_journeys(frames["test"], vocabs, 32, 8, inputs)
+        encoder = JourneyEncoder.fit(
+            frames["train"], vocabs, settings, max_len=8, timezone="UTC", columns=columns
+        )
+        torch.manual_seed(0)
+        model = JourneyTransformer(model_config_from(settings, encoder))
+        train, test = encoder.encode(frames["train"]), encoder.encode(frames["test"])
         auc[with_price] = fit_and_test_auc(model, train, test, epochs=4)
     assert auc[True] > auc[False] + 0.15
     assert auc[True] > 0.75
@@ -286,14 +297,12 @@ def fit_with_numeric_inputs(
 ) -> float:
     """Test AUC of one small transformer reading the first `numeric_inputs` of each number's
     inputs (`NUMERIC_INPUTS`), trained on frames["train"]."""
-    inputs = ContinuousInputs(None, scaling, numeric_inputs)
+    encoder = JourneyEncoder(priced(vocabs, scaling, n_inputs=numeric_inputs), max_len)
     torch.manual_seed(0)
     settings = Model(d_model=16, n_heads=2, n_layers=1, pooling=pooling)
-    config = sized(settings, vocabs, max_len, n_numeric=1)
-    n_continuous = continuous_count(False, 1, numeric_inputs)
-    config = dataclasses.replace(config, n_continuous=n_continuous)
-    train = encode_journeys(frames["train"], vocabs, 32, max_len, inputs)
-    test = encode_journeys(frames["test"], vocabs, 32, max_len, inputs)
+    config = model_config_from(settings, encoder)
+    assert config.n_continuous == numeric_inputs  # no time encodings: the number's alone
+    train, test = encoder.encode(frames["train"]), encoder.encode(frames["test"])
     return fit_and_test_auc(JourneyTransformer(config), train, test, epochs=4)
 
 
@@ -310,7 +319,7 @@ def test_the_latest_prices_standing_is_carried_to_the_journeys_end() -> None:
 
 def test_numeric_aggregates_for_the_strong_baseline() -> None:
     frame = pl.DataFrame({"price": [[1.0, None, 3.0], [None]]})
-    got = baselines.numeric_aggregates(frame, ["price"]).to_dicts()
+    got = frame.select(NumericInput("price").aggregates()).to_dicts()
     assert got[0] == {
         "price_mean": 2.0,
         "price_min": 1.0,
@@ -354,12 +363,13 @@ def test_a_run_with_missing_numbers_trains_scores_and_keeps_train_scaling(
     expected = numeric_scaling(train, ["price"])
     assert expected != numeric_scaling(journeys, ["price"])  # the other splits differ
     loaded = load_model("models:/journey-conversion@champion", env["MLFLOW_TRACKING_URI"])
-    applied = loaded.encoder.inputs.numeric
-    assert [name for name, _, _ in applied] == ["price"]
-    np.testing.assert_allclose([v for _, *v in applied], [v for _, *v in expected])
+    (applied,) = loaded.encoder.inputs.of_kind(NumericInput)
+    assert applied.name == "price"
+    ((_, centre, scale),) = expected
+    np.testing.assert_allclose([applied.centre, applied.scale], [centre, scale])
     edges = numeric_bucket_edges(train, ["price"], 16) if encoding == "buckets" else ()
-    assert [len(e) for e in loaded.encoder.inputs.bucket_edges] == [len(e) for e in edges]
-    for applied_edges, train_edges in zip(loaded.encoder.inputs.bucket_edges, edges, strict=True):
+    assert [len(e) for e in applied.bucket_edges] == [len(e) for e in edges]
+    for applied_edges, train_edges in zip(applied.bucket_edges, edges, strict=True):
         np.testing.assert_allclose(applied_edges, train_edges)
     scores = pl.read_parquet(tmp_path / "scores" / "*.parquet")
     assert scores.height == journeys.height

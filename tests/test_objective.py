@@ -157,7 +157,7 @@ def test_a_short_fit_trains_every_prefix_and_the_last_prefix_is_the_journey(
     L.seed_everything(0, verbose=False)
     vocabs = Vocabularies.load(config.paths.journeys)
     datamodule = JourneyDataModule.from_config(config, vocabs)
-    model_config = model_config_from(config.model, vocabs, max_len=config.journey.max_events)
+    model_config = model_config_from(config.model, datamodule.fitted_encoder)
     module = JourneyModule(model_config, config.train, base_rate=0.3)
     before = [p.detach().clone() for p in module.parameters()]
     trainer, checkpoint = build_trainer(config, False, tmp_path / "checkpoints", progress=False)

@@ -50,15 +50,15 @@ def save_tiny_model(
     Weights are scrambled so that outputs and attention really depend on the input.
     """
     config = load_config(None, [*TINY, f"journey.max_events={MAX_EVENTS}", *overrides])
-    torch.manual_seed(0)
-    model = JourneyTransformer(model_config_from(config.model, vocabs, MAX_EVENTS)).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(std=0.3 if param.dim() > 1 else 0.1)
     # No numeric feature: the encoder needs no train split to fit on.
     encoder = JourneyEncoder.fit(
         pl.DataFrame(), vocabs, config.model, max_len=MAX_EVENTS, timezone=config.data.timezone
     )
+    torch.manual_seed(0)
+    model = JourneyTransformer(model_config_from(config.model, encoder)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.3 if param.dim() > 1 else 0.1)
     TrainedModel(model, encoder, JourneyRules.from_config(config), temperature).save(folder)
     return folder
 

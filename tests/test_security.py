@@ -43,11 +43,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> dict:
     journeys = journeys_dataset(root / "journeys", n=100, seed=0)
     config = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.n_layers=1"])
     vocabs = Vocabularies.load(journeys)
-    settings = model_config_from(config.model, vocabs, max_len=config.journey.max_events)
     folder = root / "artifacts"
     encoder = JourneyEncoder.fit(
-        pl.DataFrame(), vocabs, config.model, max_len=settings.max_len, timezone="UTC"
+        pl.DataFrame(), vocabs, config.model, max_len=config.journey.max_events, timezone="UTC"
     )
+    settings = model_config_from(config.model, encoder)
     rules = JourneyRules.from_config(config)
     TrainedModel(JourneyTransformer(settings), encoder, rules).save(folder)
     env = {**ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'no-store.db'}"}

@@ -25,6 +25,7 @@ import pytest
 
 from journeys import serving
 from journeys.errors import InputError
+from journeys.inputs import CategoricalInput, NumericInput
 from journeys.serving import journeys_from_request
 from journeys.trained_model import load_model, log_model
 from journeys.vocab import Vocabularies
@@ -183,7 +184,7 @@ def test_logged_model_has_a_signature_naming_its_features_and_an_example(
     )
 
     # Another model's signature names its own features.
-    other = serving.signature(["campaign"], [], causal=True)
+    other = serving.signature([CategoricalInput("campaign")], causal=True)
     assert other.inputs.input_names() == ["event_type", "event_time", "campaign"]
     assert other.outputs.input_names()[-1] == "prefix_probability"
 
@@ -249,7 +250,7 @@ def test_pyfunc_reads_every_timestamp_form_as_the_same_instants(registered: dict
 def test_naive_times_are_read_in_the_model_time_zone() -> None:
     frame = journeys_from_request(
         [{"event_type": ["a", "b"], "event_time": ["2026-01-05T11:00:00", "2026-07-05T12:00:00"]}],
-        [],
+        (),
         "Europe/Paris",
     )
     assert frame["event_time"].to_list() == [
@@ -260,15 +261,30 @@ def test_naive_times_are_read_in_the_model_time_zone() -> None:
 def test_features_are_text_and_a_missing_one_is_null() -> None:
     frame = journeys_from_request(
         {"event_type": ["a", "b"], "event_time": [1, 2], "channel": [7, None]},
-        ["channel", "device"],
+        [CategoricalInput("channel"), CategoricalInput("device")],
     )
     assert frame.schema["channel"] == frame.schema["device"] == pl.List(pl.String)
     assert frame.row(0, named=True)["channel"] == ["7", None]
     assert frame.row(0, named=True)["device"] == [None, None]
 
 
+def test_each_column_is_read_as_its_kind_reads_text() -> None:
+    """A feature stays text, a number is read as one (null or absent: missing)."""
+    columns = [CategoricalInput("channel"), NumericInput("price"), NumericInput("cost")]
+    frame = journeys_from_request(
+        {"event_type": ["a", "b"], "event_time": [1, 2], "channel": [7, 8], "price": ["2.5", None]},
+        columns,
+    )
+    assert frame.columns == ["event_type", "event_time", "channel", "price", "cost"]
+    assert frame.schema["price"] == frame.schema["cost"] == pl.List(pl.Float64)
+    assert frame.row(0, named=True)["price"] == [2.5, None]
+    assert frame.row(0, named=True)["cost"] == [None, None]
+    assert serving.signature(columns).inputs.input_names()[2:] == ["channel", "price", "cost"]
+
+
 def test_an_empty_request_is_an_empty_frame() -> None:
-    frame = journeys_from_request(pd.DataFrame(columns=["event_type", "event_time"]), ["x"])
+    empty = pd.DataFrame(columns=["event_type", "event_time"])
+    frame = journeys_from_request(empty, [CategoricalInput("x")])
     assert frame.height == 0
     assert frame.columns == ["event_type", "event_time", "x"]
 
@@ -292,7 +308,7 @@ GOOD = {"event_type": ["a", "b"], "event_time": ["2026-01-05T10:00:00Z", 1767607
 )
 def test_bad_journeys_are_one_line_errors(journey: dict, message: str) -> None:
     with pytest.raises(InputError) as err:
-        journeys_from_request([GOOD, journey], ["channel"])
+        journeys_from_request([GOOD, journey], [CategoricalInput("channel")])
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -369,7 +385,7 @@ def baseline_champion(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = save_tiny_model(root / "model", Vocabularies.load(journeys), temperature=TEMPERATURE)
     frame = pl.read_parquet(journeys / "part-00000.parquet")
     trained = load_model(str(folder))
-    settings = BaselineSettings(features=("channel", "device"))
+    settings = BaselineSettings((CategoricalInput("channel"), CategoricalInput("device")))
     trained.baseline = fit_baseline(
         "hgb_aggregates", frame.filter(pl.col("split") == "train"), settings
     )

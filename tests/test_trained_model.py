@@ -55,12 +55,26 @@ def test_a_format_1_model_scores_and_explains_as_the_code_that_saved_it(tmp_path
 def test_model_config_defaults_are_what_the_product_ships() -> None:
     """A `ModelConfig` built by hand is the model the default configuration trains."""
     from journeys.config import load_config
-    from journeys.encoding import model_config_from_sizes
+    from journeys.encoding import JourneyEncoder, model_config_from
+    from journeys.inputs import columns_of
     from journeys.model import ModelConfig
+    from journeys.vocab import Vocabularies, Vocabulary
 
     config = load_config(None)  # conf/default.yaml
     assert config.data.numeric_features == []  # so no numeric input below
-    shipped = model_config_from_sizes(config.model, 9, (5, 4), config.journey.max_events)
+    sizes = {"event_type": 9, **dict(zip(config.data.features, (5, 4), strict=True))}
+    vocabs = Vocabularies(
+        {name: Vocabulary(tuple(map(str, range(n)))) for name, n in sizes.items()}
+    )
+    encoder = JourneyEncoder.fit(
+        pl.DataFrame(),
+        vocabs,
+        config.model,
+        max_len=config.journey.max_events,
+        timezone=config.data.timezone,
+        columns=columns_of(config.data),
+    )
+    shipped = model_config_from(config.model, encoder)
     assert ModelConfig(vocab_size=9, feature_vocab_sizes=(5, 4)) == shipped
 
 
@@ -104,7 +118,7 @@ def test_format_1_models_read_the_numeric_inputs_they_were_trained_with(
 ) -> None:
     """Models trained before the relative or the carried input existed keep reading two or
     three inputs per number; new ones read all of `NUMERIC_INPUTS`."""
-    from journeys.encoding import NUMERIC_INPUTS
+    from journeys.inputs import NUMERIC_INPUTS, NumericInput
 
     folder = tmp_path / "model"
     shutil.copytree(FORMAT_1 / "model", folder)
@@ -112,7 +126,8 @@ def test_format_1_models_read_the_numeric_inputs_they_were_trained_with(
     settings.pop("numeric_inputs")
     (folder / PREPROCESSING).write_text(json.dumps({**settings, **stored}))
     # The weights were made for four inputs: only the settings are read here.
-    assert _read_encoder(folder).inputs.numeric_inputs == inputs
+    (price,) = _read_encoder(folder).inputs.of_kind(NumericInput)
+    assert price.n_inputs == price.n_continuous == inputs
     assert load_model(str(FORMAT_1 / "model")).settings()["encoder"]["numeric_inputs"] == len(
         NUMERIC_INPUTS
     )
