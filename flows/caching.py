@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from journeys.config import Config
+from journeys.datasets import KEPT_BESIDE
 
 CHUNK = 1 << 20
 MARKER = ".{name}.flow-cache.json"
@@ -33,17 +34,18 @@ def _hasher() -> hashlib.blake2b:
 
 
 def files_under(path: str | Path) -> list[Path]:
-    """A file itself, or every file under a folder (hidden names skipped), sorted."""
+    """A file itself, or every file under a folder, sorted: hidden names skipped, and the
+    folders another stage keeps inside (the monitor's nights under `paths.reports`)."""
     path = Path(path)
     if path.is_file():
         return [path]
     if not path.is_dir():
         return []
-    return sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+
+    def ours(parts: tuple[str, ...]) -> bool:
+        return parts[0] not in KEPT_BESIDE and not any(part.startswith(".") for part in parts)
+
+    return sorted(p for p in path.rglob("*") if p.is_file() and ours(p.relative_to(path).parts))
 
 
 def digest_files(files: Iterable[Path]) -> str:

@@ -596,6 +596,44 @@ def attribution_flow(
     )
 
 
+# ----------------------------------------------------------------------------- monitor
+
+
+@flow(name="monitor")
+def monitor_flow(
+    config: Config | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Tonight's drift, scores and arrived labels against the model's reference (never
+    cached: each night adds its row to the history). Alerts tag this flow run
+    `monitor-alert` and are one line each in the summary."""
+    from journeys.monitor import MONITOR_DIR, PAGE_FILE, alert_lines, run_monitor
+
+    config = resolve_config(config, config_file, overrides)
+    with stage_lock(config, "monitor", on_wait=get_run_logger().info):
+        result = run_monitor(config)
+    lines = alert_lines(result)
+    for line in lines:
+        get_run_logger().warning(line)
+    if lines:
+        mark_flow_run("monitor-alert")
+    page = Path(config.paths.reports) / MONITOR_DIR / result.night / PAGE_FILE
+    return {"night": result.night, "alerts": lines, "checks": len(result.checks), "page": str(page)}
+
+
+def mark_flow_run(tag: str) -> None:
+    """Add `tag` to the flow run in progress (the Prefect UI filters runs by tag)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import get_run_context
+
+    run = get_run_context().flow_run  # type: ignore[union-attr]
+    if run is None:
+        return
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(run.id, tags=sorted({*run.tags, tag}))
+
+
 # ----------------------------------------------------------------------------- pipeline
 
 
@@ -621,7 +659,8 @@ def pipeline_flow(
     config_file: str | None = None,
     overrides: list[str] | None = None,
 ) -> dict[str, Any]:
-    """End to end: (simulate if `paths.raw` is empty,) ingest, train, score, attribution."""
+    """End to end: (simulate if `paths.raw` is empty,) ingest, train, score, attribution,
+    monitor."""
     config = resolve_config(config, config_file, overrides)
     started = time.perf_counter()
     with stage_lock(config, "simulate", on_wait=get_run_logger().info):
@@ -632,6 +671,7 @@ def pipeline_flow(
         "train": train_flow(config=config),
         "score": score_flow(config=config, attribute=False),
         "attribution": attribution_flow(config=config),
+        "monitor": monitor_flow(config=config),
         "paths": config.paths.model_dump(),
         "servers": servers_used(config),
     }

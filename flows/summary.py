@@ -190,6 +190,15 @@ def pipeline_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def monitor_lines(monitor: dict[str, Any] | None) -> list[str]:
+    """The monitor's night in one line, and one line per alert."""
+    if not monitor:
+        return []
+    status = f"{len(monitor['alerts'])} alert(s)" if monitor["alerts"] else "no alert"
+    head = f"  monitor: night {monitor['night']}, {monitor['checks']} checks, {status}: {monitor['page']}"  # fmt: skip
+    return [head, *(f"    {line}" for line in monitor["alerts"])]
+
+
 def console_summary(summary: dict[str, Any]) -> str:
     """The short text `journeys pipeline` prints at the end."""
     ingest, train = summary["ingest"], summary["train"]
@@ -229,6 +238,7 @@ def console_summary(summary: dict[str, Any]) -> str:
         *([f"    on val: {reason}"] if (reason := train.get("champion_reason")) else []),
         f"  scores{_cached(score)}: {score['rows']:,} journeys in {score['out']}",
         f"  attribution report{_cached(attribution)}: {attribution['out']}",
+        *monitor_lines(summary.get("monitor")),
         f"  MLflow:  {mlflow_ui(summary.get('servers', {}))}",
         f"  Prefect: {prefect_ui(summary.get('servers', {}))}",
     ]

@@ -52,6 +52,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,10 +62,16 @@ import numpy as np
 import polars as pl
 
 from journeys.config import redact_uri
-from journeys.datasets import MISSING_VALUE, read_metadata, scan_scores, scores_window_start
+from journeys.datasets import (
+    KEPT_BESIDE,
+    MISSING_VALUE,
+    read_metadata,
+    scan_scores,
+    scores_window_start,
+)
 from journeys.errors import InputError, first_line
 from journeys.plots import plot_credit, plot_examples, plot_position
-from journeys.storage import atomic_dir
+from journeys.storage import atomic_dir, link_or_copy
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -592,9 +599,13 @@ def read_report(folder: str | Path) -> AttributionReport | None:
 
 
 def write_report(report: AttributionReport, out: str | Path) -> Path:
-    """Tables as Parquet + CSV, figures as PNG, `summary.json`: swapped in atomically."""
+    """Tables as Parquet + CSV, figures as PNG, `summary.json`: swapped in atomically
+    (the folders other stages keep there, `KEPT_BESIDE`, carried over as hard links)."""
     out = Path(out)
     with atomic_dir(out) as staging:
+        for name in KEPT_BESIDE:
+            if (out / name).is_dir():
+                shutil.copytree(out / name, staging / name, copy_function=link_or_copy)
         for name, table in report.tables.items():
             table.write_parquet(staging / f"{name}.parquet")
             table.write_csv(staging / f"{name}.csv")
@@ -685,18 +696,27 @@ def attribute_command(
 _ALIAS_URI = re.compile(r"models:/(?P<name>[^/@]+)@[^/]+/?")
 
 
+def scoring_model_uri(metadata: dict[str, Any]) -> str | None:
+    """The URI of the exact model version that wrote scores, from their metadata (an
+    alias may have moved since): None when they do not say."""
+    uri = metadata.get("model_uri")
+    if not uri:
+        return None
+    match = _ALIAS_URI.fullmatch(uri)
+    if match and metadata.get("model_version"):
+        uri = f"models:/{match['name']}/{metadata['model_version']}"
+    return uri
+
+
 def _load_scoring_model(metadata: dict[str, Any], store: str) -> TrainedModel | None:
     """The exact model version that wrote the scores (an alias may have moved since)."""
     from journeys.tracking import tracking_ready
     from journeys.trained_model import load_model
 
-    uri = metadata.get("model_uri")
+    uri = scoring_model_uri(metadata)
     if not uri:
         _warn("the scores do not name their model: integrated gradients skipped")
         return None
-    match = _ALIAS_URI.fullmatch(uri)
-    if match and metadata.get("model_version"):
-        uri = f"models:/{match['name']}/{metadata['model_version']}"
     if uri.startswith(("models:/", "runs:/")) and not tracking_ready(store):
         _warn(f"no MLflow store at {redact_uri(store)}: integrated gradients skipped")
         return None

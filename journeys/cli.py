@@ -148,6 +148,18 @@ def cmd_attribute(args: argparse.Namespace) -> None:
         attribute_command(config, scores=args.scores, out=args.out)
 
 
+def cmd_monitor(args: argparse.Namespace) -> int:
+    """Exit 3 when any check alerts (docs/monitoring.md), 0 otherwise."""
+    from journeys.datasets import require_input
+    from journeys.monitor import monitor_command
+
+    config = _config(args)
+    require_input(config.paths.journeys, "journeys", "run `journeys ingest` first")
+    require_input(config.paths.scores, "scores", "run `journeys score` first")
+    with stage_lock(config, "monitor"):
+        return monitor_command(config)
+
+
 def cmd_pipeline(args: argparse.Namespace) -> None:
     from flows.pipeline import pipeline_command
 
@@ -172,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, handler: Callable[[argparse.Namespace], None], text: str):
+    def command(name: str, handler: Callable[[argparse.Namespace], int | None], text: str):
         sub = commands.add_parser(name, help=text, description=text)
         _add_config_args(sub)
         sub.set_defaults(handler=handler)
@@ -213,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     attr.add_argument("--scores", default=None, help="scores folder (default paths.scores)")
     attr.add_argument("--out", default=None, help="report folder (default paths.reports)")
 
+    command("monitor", cmd_monitor, "tonight's drift, scores and arrived labels; exit 3 on alerts")
     command("pipeline", cmd_pipeline, "the end-to-end Prefect flow")
     command("serve", cmd_serve, "serve the scheduled Prefect deployments")
     ui = command("ui", cmd_ui, "open the MLflow UI on 127.0.0.1")
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = {signum: signal.signal(signum, _stop) for signum in STOP_SIGNALS}
     try:
-        args.handler(args)
+        code = args.handler(args)
     except JourneysError as err:
         print(f"journeys {args.command}: error: {redact_uri(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -249,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

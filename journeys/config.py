@@ -612,6 +612,31 @@ class Attribution(Section):
         return None if self.window is None else parse_duration(self.window)
 
 
+class Monitor(Section):
+    """What makes a night's monitor raise an alert (`journeys monitor`, docs/monitoring.md).
+
+    A change alerts only when it is both significant, the night's tests taken together
+    (Benjamini-Hochberg at `fdr`, so the threshold knows its sample size), and larger than
+    the effect floor of its check (so a huge night does not alert on a trivial shift).
+    """
+
+    fdr: Annotated[float, Field(gt=0, lt=1)] = 0.001  # false discovery rate over a night's tests
+    min_js_distance: Annotated[float, Field(ge=0, le=1)] = 0.1  # category mix (Jensen-Shannon)
+    min_shift: Annotated[float, Field(ge=0)] = 0.25  # numbers: Wasserstein over reference std
+    # The probabilities' distribution moves with the weekday and hours a night holds (the
+    # model reads time): its floor is a whole reference spread; the mean has its own check.
+    min_score_shift: Annotated[float, Field(ge=0)] = 1.0
+    min_unknown_share: Annotated[float, Field(ge=0, le=1)] = 0.01  # values the model lacks
+    min_quarantine_share: Annotated[float, Field(ge=0, le=1)] = 0.01  # per reason, over rows
+    conversion_ratio: Annotated[float, Field(gt=1)] = 2.0  # conversions per row, either way
+    score_ratio: Annotated[float, Field(gt=1)] = 1.5  # mean probability, either way
+    # A user with more events in a night than this many times the most one user had in a
+    # day of the reference window is a flood (a bot, a placeholder id).
+    flood_factor: Annotated[float, Field(gt=1)] = 5.0
+    recent_nights: Annotated[int, Field(ge=1)] = 14  # the quarantine's baseline
+    min_cohort_conversions: Annotated[int, Field(ge=1)] = 10  # a cohort's realised figures
+
+
 class Schedule(Section):
     timezone: str = "UTC"
     ingest_cron: str = "0 2 * * *"
@@ -655,6 +680,7 @@ class Config(Section):
     promotion: Promotion = Field(default_factory=Promotion)
     score: Score = Field(default_factory=Score)
     attribution: Attribution = Field(default_factory=Attribution)
+    monitor: Monitor = Field(default_factory=Monitor)
     schedule: Schedule = Field(default_factory=Schedule)
     orchestration: Orchestration = Field(default_factory=Orchestration)
 

@@ -39,6 +39,10 @@ MISSING_VALUE = "(none)"
 NO_SPLIT = "none"  # censored (and near-end converted) journeys: scored, never trained on
 UTC_US = pl.Datetime("us", "UTC")
 REPORT_FILE = "ingest_report.json"
+MONITOR_DIR = "monitor"  # under paths.reports: one folder a night, and the history
+# Folders other stages keep inside `paths.reports`: the attribution report's swap carries
+# them over, and its cache key leaves them out.
+KEPT_BESIDE = (MONITOR_DIR,)
 # Beside the journeys while the last ingest meant to refresh them has stopped: scoring them
 # then would quietly score yesterday's journeys (`check_not_stale`).
 FAILED_INGEST_FILE = "ingest_failed.json"

@@ -384,6 +384,22 @@ def register_model(run: TrackedRun, model_uri: str, name: str, decision: Decisio
     return Registration(new, champion_version, decision.promote, decision.summary)
 
 
+def tag_model_version(config: Config, version: str, key: str, value: str) -> None:
+    """Tag a registered version of the configured model; a store that is not there, or
+    fails, only warns (the tag marks what is written elsewhere)."""
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(config)
+    if not tracking_ready(uri):
+        return
+    try:
+        MlflowClient(tracking_uri=uri).set_model_version_tag(
+            config.mlflow.registered_model, str(version), key, value[:5000]
+        )
+    except Exception as err:  # the monitor's report is written; the tag is a bonus
+        print(f"journeys: warning: could not tag the model version: {first_line(err)}")
+
+
 def champion_version(uri: str, name: str) -> ModelVersion | None:
     """The version of model `name` the `champion` alias points at (None: no such model,
     no champion). Never creates a store: one that does not exist yet has no champion."""

@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 
     from journeys.baselines import Baseline, BaselineResult
     from journeys.config import Config, Model, Promotion, Train
+    from journeys.reference import Reference
     from journeys.stacking import Stack
     from journeys.tracking import Registration, TrackedRun
 
@@ -166,6 +167,11 @@ def train_command(
             decision = choose(config.promotion, model_name, uri, candidates, splits["val"])
             trained = candidates.serving(trained, decision.kind)
             trained.quiet_survival = in_flight_recalibration(trained, journeys, max_gap)
+            trained.reference = monitoring_reference(
+                trained, splits["val"], candidates.served_val[decision.kind],
+                config.data.numeric_features, config.paths.journeys,
+                decision.val_roc_auc.get(decision.kind),
+            )  # fmt: skip
             metrics |= candidates.metrics(decision.kind)
             metrics |= {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
             registration, model_uri = log_and_register(
@@ -541,6 +547,24 @@ def in_flight_recalibration(
             f"(log-odds x {b:.2f}, {c:+.2f} per log quiet hour, {a:+.2f})"
         )
     return recalibrated
+
+
+def monitoring_reference(
+    trained: TrainedModel,
+    val: pl.DataFrame,
+    served: np.ndarray,
+    numeric: list[str],
+    journeys_folder: str,
+    val_roc_auc: float | None,
+) -> Reference:
+    """What `journeys monitor` compares each night with, saved with the model: the val
+    split's events and journeys, what the served model gives them, the ingest's rates."""
+    from journeys.datasets import IngestReport
+    from journeys.reference import build_reference
+
+    report = IngestReport.read(journeys_folder)
+    vocabularies = trained.encoder.vocabs
+    return build_reference(val, served, vocabularies, numeric, report, val_roc_auc)
 
 
 def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, float]:

@@ -51,6 +51,7 @@ import numpy as np
 from journeys.config import Config, Data, Journey, parse_duration
 from journeys.errors import ConfigError, InputError, first_line
 from journeys.promotion import STACK, TRANSFORMER
+from journeys.reference import REFERENCE_FILE, Reference
 from journeys.vocab import VOCAB_FILE
 
 if TYPE_CHECKING:
@@ -210,6 +211,8 @@ class TrainedModel:
     # baseline's model. The network's attention explains the journeys either way.
     stack: Stack | None = None
     baseline: Baseline | None = None
+    # What it was judged on (val events, journeys, probabilities), for `journeys monitor`.
+    reference: Reference | None = None
 
     @property
     def kind(self) -> str:
@@ -310,6 +313,8 @@ class TrainedModel:
             json.dumps({"temperature": float(self.temperature)}) + "\n"
         )
         files = {name: folder / name for name in MODEL_FILES}
+        if self.reference is not None:
+            files[REFERENCE_FILE] = self.reference.save(folder)
         return files | self._save_head(folder)
 
     def _save_head(self, folder: Path) -> dict[str, Path]:
@@ -370,6 +375,7 @@ class TrainedModel:
             )
             _check_sized_by(model.config, encoder)
             stack, baseline = _read_head(folder)
+            reference = Reference.load(folder)  # None: trained before monitoring
         except Exception as err:  # safetensors, JSON, shape or key errors: a damaged model
             raise InputError(
                 f"{model_uri or folder}: damaged model files ({WEIGHTS}, {PREPROCESSING}, ...): "
@@ -384,6 +390,7 @@ class TrainedModel:
             baseline=baseline,
             temperature=temperature,
             quiet_survival=survival,
+            reference=reference,
             model_uri=model_uri or str(folder),
             model_version=model_version,
         )

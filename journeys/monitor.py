@@ -1,0 +1,755 @@
+"""Monitoring: can tonight's scores be trusted? (`journeys monitor`, docs/monitoring.md)
+
+Each night is compared with a reference: what the champion was trained and judged on (its
+val split's events, journeys and served probabilities, and the ingest's rates), saved with
+the model as `reference.json`, so a monitor never re-reads the history. The night is what
+the last ingest added: the events after the previous night's end, the journeys that closed
+since (their lengths and probabilities are final, like the reference's), the rows its new
+files brought and quarantined.
+
+Every check gives a figure (an effect size) and, where sampling can explain it, a p-value.
+An alert needs both: significance with the night's tests taken together (Benjamini and
+Hochberg 1995 at `monitor.fdr`, so a threshold knows its sample size: a fixed PSI cut-off
+fires on most identical samples of 100 rows and on none of 1,000) and an effect above the
+check's floor (`monitor.*`), so a large night does not alert on a trivial shift.
+
+Performance once labels arrive: every night snapshots the open journeys' probabilities
+(`open.parquet`); a later night looks each cohort's journeys up. Once a cohort has matured
+(every journey closed: `journey.max_gap` and `ingest.late_allowed` after its night), its
+realised ROC AUC (DeLong interval), ECE and observed against expected conversions are
+reported beside the estimate made without labels (CBPE: the expected ROC AUC under the
+calibrated probabilities), so a reader sees how far the estimate can be trusted.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+
+from journeys.datasets import (
+    MONITOR_DIR,
+    OPEN_PART_PREFIX,
+    IngestReport,
+    scan_journeys,
+    scan_scores,
+)
+from journeys.errors import InputError
+from journeys.reference import QUANTILES, Profile, Reference, Sketch, event_rows, profile
+from journeys.storage import atomic_dir, atomic_path
+
+if TYPE_CHECKING:
+    from journeys.config import Config, Monitor
+    from journeys.trained_model import TrainedModel
+
+HISTORY_FILE = "history.parquet"
+REPORT_JSON = "report.json"
+PAGE_FILE = "index.html"
+OPEN_SNAPSHOT = "open.parquet"  # the night's open journeys and their probabilities
+MIN_EXPECTED = 5.0  # categories expected fewer times than this are pooled for chi-square
+ALERT_EXIT = 3  # `journeys monitor` exits with it when any check alerts
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@dataclass(frozen=True)
+class Check:
+    """One figure of the night against its reference."""
+
+    check: str
+    column: str | None
+    message: str
+    figure: float
+    threshold: float  # the effect floor an alert needs
+    p_value: float | None = None  # None: the check is a rule, not a test
+    over_floor: bool = False
+    alert: bool = False
+
+
+def js_distance(night: dict[str, int], reference: dict[str, int]) -> float:
+    """Jensen-Shannon distance (base 2, in [0, 1]) between two category counts."""
+    keys = sorted(set(night) | set(reference))
+    p = np.array([night.get(k, 0) for k in keys], dtype=np.float64)
+    q = np.array([reference.get(k, 0) for k in keys], dtype=np.float64)
+    if p.sum() == 0 or q.sum() == 0:
+        return math.nan
+    p, q = p / p.sum(), q / q.sum()
+    m = (p + q) / 2
+
+    def kl(a: np.ndarray) -> float:
+        mask = a > 0
+        return float(np.sum(a[mask] * np.log2(a[mask] / m[mask])))
+
+    return math.sqrt(max(0.0, (kl(p) + kl(q)) / 2))
+
+
+def chi_square_p(night: dict[str, int], reference: dict[str, int]) -> float:
+    """Two-sample chi-square test of one category mix against another (categories
+    expected fewer than `MIN_EXPECTED` times pooled)."""
+    from scipy.stats import chi2_contingency
+
+    keys = sorted(set(night) | set(reference))
+    table = np.array([[night.get(k, 0) for k in keys], [reference.get(k, 0) for k in keys]])
+    table = table[:, table.sum(axis=0) > 0].astype(np.float64)
+    if table.shape[1] < 2 or (table.sum(axis=1) == 0).any():
+        return 1.0
+    expected = np.outer(table.sum(axis=1), table.sum(axis=0)) / table.sum()
+    rare = expected.min(axis=0) < MIN_EXPECTED
+    if rare.any() and (~rare).any():
+        table = np.column_stack([table[:, ~rare], table[:, rare].sum(axis=1)])
+    if table.shape[1] < 2:
+        return 1.0
+    return float(chi2_contingency(table, correction=False)[1])
+
+
+def sketch_shift(night: Sketch, reference: Sketch) -> tuple[float, float]:
+    """(Wasserstein distance over the reference's spread, K-S p-value), from quantiles."""
+    from scipy.stats import kstwobign
+
+    if night.n == 0 or reference.n == 0:
+        return math.nan, 1.0
+    a, b = np.array(night.quantiles), np.array(reference.quantiles)
+    wasserstein = float(np.mean(np.abs(a - b)))
+    spread = reference.std if reference.std > 0 else max(abs(reference.mean), 1.0)
+    grid = np.union1d(a, b)
+    d = float(np.max(np.abs(np.interp(grid, a, QUANTILES) - np.interp(grid, b, QUANTILES))))
+    effective = night.n * reference.n / (night.n + reference.n)
+    return wasserstein / spread, float(kstwobign.sf(d * math.sqrt(effective)))
+
+
+def proportion_p(count: int, total: int, baseline: float) -> float:
+    """One-sided p-value that `count` of `total` exceeds a share of `baseline`."""
+    from scipy.stats import binom
+
+    if total == 0:
+        return 1.0
+    return float(binom.sf(count - 1, total, min(max(baseline, 1e-12), 1.0)))
+
+
+def benjamini_hochberg(p_values: list[float], rate: float) -> list[bool]:
+    """Which of the tests are discoveries at false discovery rate `rate`."""
+    order = np.argsort(p_values)
+    m = len(p_values)
+    passed = [p <= rate * (rank + 1) / m for rank, p in enumerate(np.array(p_values)[order])]
+    last = max((rank for rank, ok in enumerate(passed) if ok), default=-1)
+    discovered = [False] * m
+    for rank, index in enumerate(order):
+        discovered[index] = rank <= last
+    return discovered
+
+
+@dataclass(frozen=True)
+class Night:
+    """What the last ingest added: events after `start`, closed journeys, its files' rows."""
+
+    night: str  # the date of `end`
+    start: datetime
+    end: datetime
+    profile: Profile
+    rows_read: int = 0
+    quarantined: dict[str, int] = field(default_factory=dict)
+    conversions: int = 0
+    files: list[str] = field(default_factory=list)
+    open_journeys: int = 0
+    open_mean_probability: float = math.nan
+    open_estimated_roc_auc: float = math.nan
+
+
+def checks(night: Night, reference: Reference, baseline: dict[str, float], settings: Monitor) -> list[Check]:  # fmt: skip
+    """Every check of the night, each marked `alert` when significant (Benjamini-Hochberg
+    over the night's tests) and over its floor (rules alert on their floor alone)."""
+    found: list[Check] = []
+    ref = reference.profile
+    for column, counts in night.profile.categories.items():
+        before = ref.categories.get(column)
+        if not before or not counts:
+            continue
+        distance = js_distance(counts, before)
+        total, total_before = sum(counts.values()), sum(before.values())
+        moved = max(
+            set(counts) | set(before),
+            key=lambda k: abs(counts.get(k, 0) / total - before.get(k, 0) / total_before),
+        )
+        found.append(Check(
+            "category_mix", column,
+            f"{column}: the share of {moved!r} is {counts.get(moved, 0) / total:.1%} tonight "
+            f"against {before.get(moved, 0) / total_before:.1%} in the reference "
+            f"(Jensen-Shannon distance {distance:.3f})",
+            distance, settings.min_js_distance, chi_square_p(counts, before),
+            distance >= settings.min_js_distance,
+        ))  # fmt: skip
+    for column, lacked in night.profile.unknown.items():
+        events = night.profile.events
+        share = lacked / events if events else 0.0
+        base = ref.unknown.get(column, 0) / ref.events if ref.events else 0.0
+        top = ", ".join(f"{v!r} ({n:,})" for v, n in night.profile.unknown_top.get(column, []))
+        found.append(Check(
+            "unknown_values", column,
+            f"{column}: {share:.1%} of tonight's events hold a value the model does not know "
+            f"(reference {base:.2%})" + (f": {top}" if top else ""),
+            share - base, settings.min_unknown_share, proportion_p(lacked, events, base),
+            share - base >= settings.min_unknown_share,
+        ))  # fmt: skip
+    sketches = [
+        ("numeric_shift", name, night.profile.numeric[name], ref.numeric.get(name))
+        for name in night.profile.numeric
+    ]
+    sketches += [
+        ("journey_length", "n_events_total", night.profile.length, ref.length),
+        ("gaps", "event_time", night.profile.gap_hours, ref.gap_hours),
+    ]
+    floors = {"scores": settings.min_score_shift}
+    sketches.append(
+        ("scores", "conversion_probability", night.profile.probability, ref.probability)
+    )
+    for check, column, now, before in sketches:
+        if before is None or now.n == 0 or before.n == 0:
+            continue
+        shift, p = sketch_shift(now, before)
+        floor = floors.get(check, settings.min_shift)
+        found.append(Check(
+            check, column,
+            f"{column}: mean {now.mean:.4g} tonight ({now.n:,}) against {before.mean:.4g} in the "
+            f"reference (shift {shift:.2f} of its spread)",
+            shift, floor, p, shift >= floor,
+        ))  # fmt: skip
+    if night.profile.probability.n and ref.probability.n and ref.probability.mean > 0:
+        ratio = night.profile.probability.mean / ref.probability.mean
+        sd = ref.probability.std / math.sqrt(night.profile.probability.n)
+        z = (night.profile.probability.mean - ref.probability.mean) / sd if sd > 0 else 0.0
+        found.append(Check(
+            "mean_probability", "conversion_probability",
+            f"mean predicted probability {night.profile.probability.mean:.4f} tonight against "
+            f"{ref.probability.mean:.4f} in the reference ({ratio:.2f}x)",
+            ratio, settings.score_ratio, _two_sided(z),
+            max(ratio, 1 / ratio if ratio > 0 else math.inf) >= settings.score_ratio,
+        ))  # fmt: skip
+    valid = night.rows_read - sum(night.quarantined.values())
+    if reference.conversions_per_row and valid > 0:
+        from scipy.stats import poisson
+
+        expected = valid * reference.conversions_per_row
+        ratio = night.conversions / expected
+        p = 2 * min(poisson.cdf(night.conversions, expected), poisson.sf(night.conversions - 1, expected))  # fmt: skip
+        found.append(Check(
+            "conversions", None,
+            f"{night.conversions:,} conversions in tonight's {valid:,} valid rows, "
+            f"{expected:,.0f} expected at the reference's rate ({ratio:.2f}x)",
+            ratio, settings.conversion_ratio, min(1.0, float(p)),
+            ratio <= 1 / settings.conversion_ratio or ratio >= settings.conversion_ratio,
+        ))  # fmt: skip
+    for reason, count in night.quarantined.items():
+        base = baseline.get(reason, reference.quarantined_share.get(reason, 0.0))
+        share = count / night.rows_read if night.rows_read else 0.0
+        found.append(Check(
+            "quarantine", reason,
+            f"{count:,} of tonight's {night.rows_read:,} rows ({share:.1%}) quarantined as "
+            f"{reason}, against {base:.2%} on recent nights",
+            share - base, settings.min_quarantine_share,
+            proportion_p(count, night.rows_read, base), share - base >= settings.min_quarantine_share,
+        ))  # fmt: skip
+    user, events = night.profile.busiest_user
+    busiest_before = max(ref.busiest_user[1], 1)
+    found.append(Check(
+        "flood", "user_id",
+        f"user id {user!r} has {events:,} events tonight; the busiest user-day of the "
+        f"reference had {busiest_before:,}",
+        events / busiest_before, settings.flood_factor, None,
+        events / busiest_before >= settings.flood_factor,
+    ))  # fmt: skip
+    tested = [i for i, c in enumerate(found) if c.p_value is not None]
+    discovered = benjamini_hochberg([_p(found[i].p_value) for i in tested], settings.fdr)
+    significant = {i for i, yes in zip(tested, discovered, strict=True) if yes}
+    return [
+        replace(c, alert=c.over_floor and (c.p_value is None or i in significant))
+        for i, c in enumerate(found)
+    ]
+
+
+def _p(value: float | None) -> float:
+    return 1.0 if value is None or math.isnan(value) else value
+
+
+def _two_sided(z: float) -> float:
+    return math.erfc(abs(z) / math.sqrt(2))
+
+
+# ----------------------------------------------------------------------------- performance
+
+
+def expected_roc_auc(probabilities: np.ndarray) -> float:
+    """CBPE: the ROC AUC expected if the probabilities are calibrated (each journey a
+    positive with its probability), with no label at all."""
+    p = np.sort(np.asarray(probabilities, dtype=np.float64))
+    if p.size < 2:
+        return math.nan
+    negatives_below = np.cumsum(1.0 - p) - (1.0 - p)
+    pairs = p.sum() * (1.0 - p).sum() - np.sum(p * (1.0 - p))
+    return float(np.sum(p * negatives_below) / pairs) if pairs > 0 else math.nan
+
+
+def cohort_figures(
+    snapshot: pl.DataFrame, outcomes: pl.DataFrame, matured: bool, settings: Monitor
+) -> dict[str, Any]:
+    """A night's open journeys against what they did since: realised figures once the
+    cohort has matured and holds enough conversions, beside the estimate without labels."""
+    from sklearn.metrics import roc_auc_score
+
+    from journeys.metrics import expected_calibration_error, roc_auc_interval
+
+    joined = snapshot.join(outcomes, on="journey_id", how="left")
+    known = joined.filter(pl.col("outcome").is_not_null())
+    labels = known.get_column("outcome").to_numpy().astype(np.int64)
+    probs = known.get_column("conversion_probability").to_numpy()
+    figures: dict[str, Any] = {
+        "journeys": snapshot.height,
+        "known": known.height,
+        "converted": int(labels.sum()),
+        "expected_conversions": float(probs.sum()),
+        "estimated_roc_auc": expected_roc_auc(snapshot.get_column("conversion_probability").to_numpy()),
+        "matured": matured,
+    }  # fmt: skip
+    if matured and settings.min_cohort_conversions <= labels.sum() < labels.size:
+        low, high = roc_auc_interval(labels, probs)
+        figures |= {
+            "roc_auc": float(roc_auc_score(labels, probs)),
+            "roc_auc_ci": [low, high],
+            "ece": expected_calibration_error(labels, probs),
+            "conversions_interval": _poisson_binomial_interval(probs),
+        }
+    return figures
+
+
+def _poisson_binomial_interval(probs: np.ndarray) -> list[float]:
+    """99% interval of the number of conversions if the probabilities are right."""
+    mean, sd = float(probs.sum()), float(np.sqrt(np.sum(probs * (1 - probs))))
+    return [max(0.0, mean - 2.576 * sd), mean + 2.576 * sd]
+
+
+def outcomes(journeys_folder: Path, ids: pl.Series, since: datetime) -> pl.DataFrame:
+    """journey_id -> 1 converted, 0 closed without converting (and not censored); journeys
+    still open or censored are left out (their outcome is not known)."""
+    found = (
+        pl.scan_parquet(sorted(journeys_folder.glob("*.parquet")), include_file_paths="_file")
+        .filter(pl.col("end_time") >= since, pl.col("journey_id").is_in(ids.implode()))
+        .select("journey_id", "label", "censored", "_file")
+        .collect()
+    )
+    open_part = pl.col("_file").str.contains(OPEN_PART_PREFIX, literal=True)
+    known = (pl.col("label") == 1) | (~open_part & ~pl.col("censored").fill_null(False))
+    return found.filter(known).select("journey_id", pl.col("label").cast(pl.Int8).alias("outcome"))
+
+
+# ----------------------------------------------------------------------------- the night
+
+
+@dataclass
+class MonitorReport:
+    night: str
+    start: datetime
+    end: datetime
+    model: str
+    checks: list[Check]
+    cohorts: dict[str, dict[str, Any]]
+    night_facts: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def alerts(self) -> list[Check]:
+        return [c for c in self.checks if c.alert]
+
+    def to_json(self) -> dict[str, Any]:
+        def entry(c: Check) -> dict[str, Any]:
+            return {k: _finite(v) for k, v in asdict(c).items()}
+
+        return {
+            "night": self.night,
+            "start": self.start.isoformat(),
+            "end": self.end.isoformat(),
+            "model": self.model,
+            "alerts": [entry(c) for c in self.alerts],
+            "checks": [entry(c) for c in self.checks],
+            "cohorts": {k: {n: _finite(v) for n, v in c.items()} for k, c in self.cohorts.items()},
+            "night_facts": {k: _finite(v) for k, v in self.night_facts.items()},
+            "notes": self.notes,
+        }
+
+
+def _finite(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def monitor(config: Config, trained: TrainedModel) -> MonitorReport:
+    """Tonight's monitor report, written under `paths.reports/monitor/<night>/`, with the
+    night's row in `history.parquet` and its open journeys' snapshot."""
+    journeys_folder = Path(config.paths.journeys)
+    report = IngestReport.read(journeys_folder)
+    if report is None or report.data_end is None:
+        raise InputError(f"no ingest report beside {journeys_folder}: run `journeys ingest` first")
+    reference = trained.reference
+    if reference is None:
+        raise InputError(
+            "the champion has no monitoring reference (trained before `journeys monitor` "
+            "existed): retrain with `journeys train`"
+        )
+    settings = config.monitor
+    root = Path(config.paths.reports) / MONITOR_DIR
+    history = read_history(root)
+    end = report.data_end
+    earlier = history.filter(pl.col("end") < end) if history.height else history
+    start = earlier.get_column("end").max() if earlier.height else end - timedelta(days=1)
+    night, opened = measure_night(config, trained, report, start, end)
+    baseline = quarantine_baseline(earlier.tail(settings.recent_nights))
+    found = checks(night, reference, baseline, settings)
+    cohorts = cohort_history(root, journeys_folder, end, config)
+    result = MonitorReport(
+        night.night, start, end, f"{trained.model_uri} v{trained.model_version}", found, cohorts,
+        {
+            "events": night.profile.events, "rows_read": night.rows_read,
+            "quarantined": sum(night.quarantined.values()), "conversions": night.conversions,
+            "closed_journeys": night.profile.length.n, "open_journeys": night.open_journeys,
+            "open_mean_probability": night.open_mean_probability,
+            "open_estimated_roc_auc": night.open_estimated_roc_auc,
+            "reference_roc_auc": reference.roc_auc,
+        },
+    )  # fmt: skip
+    write_night(root, result, night, opened, reference)
+    return result
+
+
+def measure_night(
+    config: Config, trained: TrainedModel, report: IngestReport, start: datetime, end: datetime
+) -> tuple[Night, pl.DataFrame]:
+    """The night's events, closed journeys and new files' rows, and its open journeys'
+    probabilities (journey_id, conversion_probability, as_of)."""
+    categorical = list(trained.encoder.vocabs.features)
+    numeric = [n for n in config.data.numeric_features]
+    journeys = scan_journeys(config.paths.journeys).filter(pl.col("end_time") > start)
+    events = event_rows(journeys, categorical, numeric, start).collect()
+    # Journeys whose visit closed tonight (the closing horizon moved from start's to
+    # end's): their length and probability are final, as the reference's are.
+    closing = config.ingest.late_allowed_delta + config.journey.max_gap_delta
+    scores = scan_scores(config.paths.scores, start - closing)
+    length = "n_events_total" if "n_events_total" in scores.collect_schema() else "n_events"
+    last = pl.col("event_time").list.last()
+    closed = (
+        scores.filter(~pl.col("open"), last.is_between(start - closing, end - closing, "right"))
+        .select("journey_id", "conversion_probability", pl.col(length).alias("n_events_total"))
+        .collect()
+    )
+    opened = (
+        scores.filter(pl.col("open"))
+        .select("journey_id", "conversion_probability", "as_of")
+        .collect()
+    )
+    probabilities = closed.get_column("conversion_probability").to_numpy()
+    vocabularies = trained.encoder.vocabs
+    measured = profile(events, closed, categorical, numeric, vocabularies, probabilities, False)
+    measured = replace(measured, busiest_user=busiest_user(events, journeys, start))
+    run = report.ingest
+    new_files = sorted({str(Path(f).absolute()) for f in (run.new_files if run else [])})
+    facts = [report.by_source[f] for f in new_files if f in report.by_source]
+    quarantined: dict[str, int] = {}
+    for entry in facts:
+        for reason, n in entry.get("quarantined_by_reason", {}).items():
+            quarantined[reason] = quarantined.get(reason, 0) + n
+    open_probs = opened.get_column("conversion_probability").to_numpy()
+    night = Night(
+        night=end.date().isoformat(),
+        start=start,
+        end=end,
+        profile=measured,
+        rows_read=sum(entry["rows"] for entry in facts),
+        quarantined=quarantined,
+        conversions=sum(entry.get("conversions", 0) for entry in facts),
+        files=new_files,
+        open_journeys=opened.height,
+        open_mean_probability=float(open_probs.mean()) if open_probs.size else math.nan,
+        open_estimated_roc_auc=expected_roc_auc(open_probs),
+    )
+    return night, opened
+
+
+def busiest_user(events: pl.DataFrame, journeys: pl.LazyFrame, start: datetime) -> tuple[str, int]:
+    """The user with the most events after `start`: the events the journeys' lists hold,
+    and those `journey.max_events` cut from journeys that began after `start` (a bot's
+    50,000 events keep only their tail in the lists)."""
+    cut = (
+        journeys.filter(pl.col("start_time") > start)
+        .group_by("user_id")
+        .agg(cut=(pl.col("n_events_total") - pl.col("n_events")).sum().cast(pl.Int64))
+        .collect()
+    )
+    listed = events.group_by("user_id").agg(listed=pl.len().cast(pl.Int64))
+    per_user = (
+        listed.join(cut, on="user_id", how="left")
+        .select("user_id", (pl.col("listed") + pl.col("cut").fill_null(0)).alias("events"))
+        .sort("events", "user_id", descending=[True, False])
+    )
+    if per_user.height == 0:
+        return ("", 0)
+    return str(per_user.item(0, "user_id")), int(per_user.item(0, "events"))
+
+
+def quarantine_baseline(recent: pl.DataFrame) -> dict[str, float]:
+    """Per reason, the share of rows quarantined over the recent nights (pooled)."""
+    if recent.height == 0 or recent.get_column("rows_read").sum() == 0:
+        return {}
+    rows = recent.get_column("rows_read").sum()
+    pooled = recent.select(pl.col("quarantined_by_reason").explode()).unnest(
+        "quarantined_by_reason"
+    )
+    if pooled.height == 0:
+        return {}
+    sums = pooled.group_by("reason").agg(pl.col("rows").sum())
+    return {reason: n / rows for reason, n in sums.iter_rows()}
+
+
+def cohort_history(root: Path, journeys_folder: Path, now: datetime, config: Config) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Each earlier night's open journeys against their outcomes so far."""
+    maturity = config.journey.max_gap_delta + config.ingest.late_allowed_delta
+    cohorts = {}
+    for path in sorted(root.glob(f"*/{OPEN_SNAPSHOT}")):
+        snapshot = pl.read_parquet(path)
+        if snapshot.height == 0:
+            continue
+        as_of = snapshot.get_column("as_of").min()
+        if as_of >= now:
+            continue
+        found = outcomes(journeys_folder, snapshot.get_column("journey_id"), as_of - maturity)
+        cohorts[path.parent.name] = cohort_figures(
+            snapshot, found, now - as_of >= maturity, config.monitor
+        )
+    return cohorts
+
+
+# ----------------------------------------------------------------------------- output
+
+
+HISTORY_SCHEMA = {
+    "night": pl.String,
+    "end": pl.Datetime("us", "UTC"),
+    "events": pl.Int64,
+    "rows_read": pl.Int64,
+    "conversions": pl.Int64,
+    "open_journeys": pl.Int64,
+    "open_mean_probability": pl.Float64,
+    "open_estimated_roc_auc": pl.Float64,
+    "alerts": pl.Int64,
+    "alerted": pl.List(pl.String),
+    "quarantined_by_reason": pl.List(pl.Struct({"reason": pl.String, "rows": pl.Int64})),
+    "figures": pl.List(pl.Struct({"check": pl.String, "column": pl.String, "figure": pl.Float64})),
+}
+
+
+def read_history(root: Path) -> pl.DataFrame:
+    path = root / HISTORY_FILE
+    return pl.read_parquet(path) if path.exists() else pl.DataFrame(schema=HISTORY_SCHEMA)
+
+
+def write_night(
+    root: Path, result: MonitorReport, night: Night, opened: pl.DataFrame, reference: Reference
+) -> None:
+    """The night's folder (report.json, index.html, open.parquet), then its history row
+    (a night monitored again replaces its row)."""
+    with atomic_dir(root / result.night) as folder:
+        opened.write_parquet(folder / OPEN_SNAPSHOT)
+        (folder / REPORT_JSON).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        (folder / PAGE_FILE).write_text(page(result, night, reference))
+    row = pl.DataFrame(
+        {
+            "night": [result.night],
+            "end": [result.end],
+            "events": [night.profile.events],
+            "rows_read": [night.rows_read],
+            "conversions": [night.conversions],
+            "open_journeys": [night.open_journeys],
+            "open_mean_probability": [_nan(night.open_mean_probability)],
+            "open_estimated_roc_auc": [_nan(night.open_estimated_roc_auc)],
+            "alerts": [len(result.alerts)],
+            "alerted": [[f"{c.check}:{c.column}" for c in result.alerts]],
+            "quarantined_by_reason": [
+                [{"reason": r, "rows": n} for r, n in sorted(night.quarantined.items())]
+            ],
+            "figures": [
+                [{"check": c.check, "column": c.column, "figure": _nan(c.figure)} for c in result.checks]
+            ],
+        },
+        schema=HISTORY_SCHEMA,
+    )  # fmt: skip
+    history = read_history(root)
+    history = pl.concat([history.filter(pl.col("night") != result.night), row]).sort("end")
+    with atomic_path(root / HISTORY_FILE) as tmp:
+        history.write_parquet(tmp)
+
+
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+def page(result: MonitorReport, night: Night, reference: Reference) -> str:
+    """A self-contained HTML page: the alerts, every check, the cohorts, and the plots
+    (PNG inlined), readable offline and small whatever the night's size."""
+    from html import escape
+
+    def table(rows: list[list[Any]], head: list[str]) -> str:
+        cells = "".join(f"<th>{escape(h)}</th>" for h in head)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{escape(_cell(v))}</td>" for v in row) + "</tr>" for row in rows
+        )
+        return f"<table><tr>{cells}</tr>{body}</table>"
+
+    alerts = [[c.check, c.column or "", c.message] for c in result.alerts]
+    every = [
+        [c.check, c.column or "", c.figure, c.threshold, c.p_value, "ALERT" if c.alert else ""]
+        for c in result.checks
+    ]
+    cohorts = [
+        [name, c["journeys"], c["known"], c["converted"], c["expected_conversions"],
+         c.get("roc_auc"), c["estimated_roc_auc"], c.get("ece"), "yes" if c["matured"] else "no"]
+        for name, c in sorted(result.cohorts.items())
+    ]  # fmt: skip
+    images = "".join(
+        f'<figure><img alt="{escape(name)}" src="data:image/png;base64,{data}"/>'
+        f"<figcaption>{escape(name)}</figcaption></figure>"
+        for name, data in plots(night, reference).items()
+    )
+    status = f"{len(result.alerts)} alert(s)" if result.alerts else "no alert"
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>journeys monitor {escape(result.night)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:3px 8px;font-size:13px}}img{{max-width:720px}}</style>
+</head><body>
+<h1>Night {escape(result.night)}: {escape(status)}</h1>
+<p>Events after {escape(result.start.isoformat())} up to {escape(result.end.isoformat())};
+model {escape(result.model)}.</p>
+<h2>Alerts</h2>{table(alerts, ["check", "column", "message"]) if alerts else "<p>none</p>"}
+<h2>Every check</h2>{table(every, ["check", "column", "figure", "floor", "p-value", ""])}
+<h2>Cohorts: open journeys of earlier nights, as their outcomes arrive</h2>
+{
+        table(
+            cohorts,
+            [
+                "night",
+                "journeys",
+                "known",
+                "converted",
+                "expected",
+                "ROC AUC",
+                "estimated ROC AUC",
+                "ECE",
+                "matured",
+            ],
+        )
+    }
+<h2>Plots</h2>{images}
+</body></html>
+"""
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return "" if not math.isfinite(value) else f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def plots(night: Night, reference: Reference) -> dict[str, str]:
+    """Per categorical column, tonight's shares against the reference's (its commonest
+    values); the probability distributions of closed journeys. Base64 PNGs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = {}
+    for column, counts in night.profile.categories.items():
+        before = reference.profile.categories.get(column, {})
+        keys = sorted(set(counts) | set(before), key=lambda k: -(counts.get(k, 0) + before.get(k, 0)))[:12]  # fmt: skip
+        if not keys:
+            continue
+        figure, axes = plt.subplots(figsize=(7, 3))
+        x = np.arange(len(keys))
+        for offset, (label, source) in enumerate((("tonight", counts), ("reference", before))):
+            total = max(sum(source.values()), 1)
+            axes.bar(x + 0.4 * offset, [source.get(k, 0) / total for k in keys], 0.4, label=label)
+        axes.set_xticks(x + 0.2, keys, rotation=30, ha="right", fontsize=8)
+        axes.set_ylabel("share of events")
+        axes.set_title(column)
+        axes.legend()
+        images[f"{column} mix"] = _png(figure)
+    now, before = night.profile.probability, reference.profile.probability
+    if now.n and before.n:
+        figure, axes = plt.subplots(figsize=(7, 3))
+        axes.plot(QUANTILES, now.quantiles, label=f"tonight's closed journeys ({now.n:,})")
+        axes.plot(QUANTILES, before.quantiles, label=f"reference ({before.n:,})")
+        axes.set_xlabel("quantile")
+        axes.set_ylabel("conversion probability")
+        axes.set_yscale("log")
+        axes.legend()
+        images["probability quantiles"] = _png(figure)
+    return images
+
+
+def _png(figure: Any) -> str:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    plt.close(figure)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def run_monitor(config: Config) -> MonitorReport:
+    """The night's monitor against the model that wrote tonight's scores; with alerts,
+    that model version is tagged `monitor_alerts` (the night and what alerted)."""
+    from journeys import tracking
+    from journeys.attribution import scoring_model_uri
+    from journeys.datasets import read_metadata
+    from journeys.trained_model import load_model
+
+    if IngestReport.read(config.paths.journeys) is None:
+        raise InputError(
+            f"no ingest report beside the journeys at {config.paths.journeys}: run "
+            "`journeys ingest` first"
+        )
+    uri = scoring_model_uri(read_metadata(config.paths.scores))
+    if uri is None:
+        raise InputError(f"the scores at {config.paths.scores} do not name their model: re-score")
+    store = tracking.tracking_uri(config)
+    if uri.startswith(("models:/", "runs:/")) and not tracking.tracking_ready(store):
+        raise InputError(f"model {uri} not found: no MLflow store at {tracking.redact_uri(store)}")
+    trained = load_model(uri, tracking_uri=store)
+    result = monitor(config, trained)
+    if result.alerts and trained.model_version:
+        alerted = ", ".join(f"{c.check} {c.column or ''}".strip() for c in result.alerts)
+        tracking.tag_model_version(
+            config, trained.model_version, "monitor_alerts", f"{result.night}: {alerted}"
+        )
+    return result
+
+
+def alert_lines(result: MonitorReport) -> list[str]:
+    """One line per alert: the night, the check and its message (naming the column)."""
+    return [f"ALERT {result.night} {c.check}: {c.message}" for c in result.alerts]
+
+
+def monitor_command(config: Config) -> int:
+    """`journeys monitor`: the night's report; exit 3 with any alert, else 0."""
+    result = run_monitor(config)
+    for line in alert_lines(result):
+        print(f"journeys monitor: {line}")
+    page = Path(config.paths.reports) / MONITOR_DIR / result.night / PAGE_FILE
+    print(
+        f"journeys monitor: night {result.night}: {len(result.checks)} checks, "
+        f"{len(result.alerts)} alert(s) -> {page}"
+    )
+    return ALERT_EXIT if result.alerts else 0

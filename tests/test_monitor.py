@@ -1,0 +1,259 @@
+"""`journeys monitor`: each planted fault is flagged on its night and named, quiet nights
+raise no alert, a matured cohort's realised figures equal an offline computation, and the
+thresholds know their sample size."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from test_flows import isolated, tiny_config
+
+from journeys.cli import main
+from journeys.config import load_config
+from journeys.monitor import (
+    MONITOR_DIR,
+    OPEN_SNAPSHOT,
+    PAGE_FILE,
+    REPORT_JSON,
+    benjamini_hochberg,
+    checks,
+    expected_roc_auc,
+    js_distance,
+)
+from journeys.reference import Profile, Reference, Sketch
+
+TRAIN_DAYS, DAYS = 30, 41
+# Night (day number) -> the fault planted in that day's file, and the check that must name it.
+FAULTS = {
+    33: ("renamed", "unknown_values", "event_type"),
+    35: ("channel_tripled", "category_mix", "channel"),
+    37: ("flood", "flood", "user_id"),
+    38: ("no_conversions", "conversions", None),
+    39: ("no_conversions", "conversions", None),
+}
+
+
+def plant(day: pl.DataFrame, fault: str) -> pl.DataFrame:
+    if fault == "renamed":  # a tracking change: add_to_cart becomes addToCart
+        return day.with_columns(pl.col("event_type").replace("add_to_cart", "addToCart"))
+    if fault == "channel_tripled":  # a campaign: email's share tripled
+        rng = np.random.default_rng(0)
+        moved = pl.Series(rng.random(day.height) < 0.3)
+        return day.with_columns(
+            pl.when(moved).then(pl.lit("email")).otherwise(pl.col("channel")).alias("channel")
+        )
+    if fault == "flood":  # a bot under one user id, an event every 1.7 seconds
+        first = day.get_column("timestamp").str.to_datetime(time_zone="UTC").min()
+        moments = pl.datetime_range(
+            first, first + timedelta(seconds=1.7 * 49_999), timedelta(milliseconds=1700),
+            eager=True,
+        )  # fmt: skip
+        bot = pl.DataFrame({"user_id": ["bot-0"] * moments.len()}).with_columns(
+            timestamp=moments.dt.strftime("%Y-%m-%dT%H:%M:%S%.3fZ"),
+            event_type=pl.lit("page_view"),
+            channel=pl.lit("direct"),
+            device=pl.lit("desktop"),
+            campaign=pl.lit(None, pl.String),
+            price=pl.lit(None, pl.String),
+        )
+        return pl.concat([day, bot.select(day.columns)], how="vertical_relaxed")
+    if fault == "no_conversions":  # the purchase event left the export
+        return day.filter(pl.col("event_type") != "purchase")
+    raise ValueError(fault)
+
+
+@pytest.fixture(scope="module")
+def nights(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """Train on 30 days of the simulator, then run the nightly ingest, scoring and monitor
+    for each later day, faults planted on their nights; each night's report.json."""
+    from journeys.simulate import simulate
+
+    folder = tmp_path_factory.mktemp("monitor")
+    simulate(folder / "log", users=10_000, days=DAYS, seed=3)
+    log = pl.read_csv(next((folder / "log").glob("*.csv")), infer_schema=False)
+    day = pl.col("timestamp").str.to_datetime(time_zone="UTC").dt.date()
+    log = log.with_columns((day - day.min()).dt.total_days().alias("_day") + 1)
+    raw = folder / "raw"
+    raw.mkdir()
+    config = tiny_config(
+        folder, "journey.max_gap=1d", "ingest.late_allowed=1d", "attribution.ig_sample=0",
+        "monitor.min_cohort_conversions=2",
+    )  # fmt: skip
+
+    def land(number: int) -> None:
+        rows = log.filter(pl.col("_day") == number).drop("_day")
+        if number in FAULTS:
+            rows = plant(rows, FAULTS[number][0])
+        rows.write_csv(raw / f"day-{number:03d}.csv")
+
+    reports = {}
+    with isolated(folder) as mp:
+        mp.setattr("sys.argv", ["journeys"])
+        for number in range(1, TRAIN_DAYS + 1):
+            land(number)
+        assert main(["ingest", *overrides(config)]) == 0
+        assert main(["train", *overrides(config)]) == 0
+        assert main(["score", *overrides(config)]) == 0
+        for number in range(TRAIN_DAYS + 1, DAYS):
+            land(number)
+            assert main(["ingest", *overrides(config)]) == 0
+            assert main(["score", *overrides(config)]) == 0
+            code = main(["monitor", *overrides(config)])
+            nights_done = sorted((folder / "reports" / MONITOR_DIR).glob("*/" + REPORT_JSON))
+            report = json.loads(nights_done[-1].read_text())
+            reports[number] = {"code": code, "report": report, "folder": nights_done[-1].parent}
+    reports[0] = {"config": config, "folder": folder}
+    return reports
+
+
+def overrides(config) -> list[str]:
+    """The configuration as command-line settings (every path, the tiny model)."""
+    return [arg for pair in config_args(config) for arg in ("--set", pair)]
+
+
+def config_args(config) -> list[str]:
+    paths = config.paths
+    return [
+        f"paths.raw={paths.raw}", f"paths.journeys={paths.journeys}",
+        f"paths.quarantine={paths.quarantine}", f"paths.scores={paths.scores}",
+        f"paths.reports={paths.reports}", f"paths.checkpoints={paths.checkpoints}",
+        f"mlflow.tracking_uri={config.mlflow.tracking_uri}",
+        "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "train.max_epochs=1",
+        "train.baselines=[logreg,prior]", "promotion.guard=false", "journey.max_gap=1d",
+        "ingest.late_allowed=1d", "attribution.ig_sample=0", "train.accelerator=cpu",
+        "monitor.min_cohort_conversions=2",  # a few hundred open journeys convert rarely
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_each_planted_fault_is_flagged_on_its_night_and_quiet_nights_raise_none(
+    nights: dict[int, dict],
+) -> None:
+    for number in range(TRAIN_DAYS + 1, DAYS):
+        night = nights[number]
+        alerts = night["report"]["alerts"]
+        named = {(a["check"], a["column"]) for a in alerts}
+        if number in FAULTS:
+            _, check, column = FAULTS[number]
+            assert night["code"] == 3, (number, night["report"]["checks"])
+            assert (check, column) in named, (number, alerts)
+        elif number - 1 not in FAULTS:  # a fault's aftermath aside: a quiet night
+            assert night["code"] == 0 and not alerts, (number, alerts)
+    renamed = next(a for a in nights[33]["report"]["alerts"] if a["check"] == "unknown_values")
+    assert "'addToCart'" in renamed["message"]  # the value the model does not know, named
+    flood = next(a for a in nights[37]["report"]["alerts"] if a["check"] == "flood")
+    assert "bot-0" in flood["message"] and flood["figure"] >= flood["threshold"]
+    for alert in nights[33]["report"]["alerts"]:
+        assert {"check", "message", "figure", "threshold"} <= set(alert)
+
+
+@pytest.mark.slow
+def test_a_night_writes_its_page_snapshot_and_history_row(nights: dict[int, dict]) -> None:
+    night = nights[DAYS - 1]
+    folder = night["folder"]
+    page = (folder / PAGE_FILE).read_text()
+    assert page.startswith("<!doctype html>") and "data:image/png;base64," in page
+    assert (folder / OPEN_SNAPSHOT).exists()
+    history = pl.read_parquet(folder.parent / "history.parquet")
+    assert history.height == DAYS - 1 - TRAIN_DAYS  # one row a night
+    assert history.get_column("night").n_unique() == history.height
+    alerted = dict(zip(history["night"], history["alerts"], strict=True))
+    assert alerted[nights[33]["report"]["night"]] >= 1
+
+
+@pytest.mark.slow
+def test_a_matured_cohort_equals_an_offline_computation(nights: dict[int, dict]) -> None:
+    """The first monitored night's open journeys, looked up offline in the journeys the
+    last night holds: the same ROC AUC and ECE as the report says."""
+    from sklearn.metrics import roc_auc_score
+
+    from journeys.metrics import expected_calibration_error
+
+    config, root = nights[0]["config"], nights[0]["folder"]
+    first = nights[TRAIN_DAYS + 1]["report"]["night"]
+    cohort = nights[DAYS - 1]["report"]["cohorts"][first]
+    assert cohort["matured"]
+    snapshot = pl.read_parquet(nights[TRAIN_DAYS + 1]["folder"] / OPEN_SNAPSHOT)
+    journeys = pl.read_parquet(
+        Path(config.paths.journeys) / "*.parquet", include_file_paths="file"
+    ).filter(pl.col("journey_id").is_in(snapshot.get_column("journey_id").implode()))
+    known = journeys.filter(
+        (pl.col("label") == 1) | (~pl.col("file").str.contains("part-open") & ~pl.col("censored"))
+    )
+    joined = snapshot.join(known.select("journey_id", "label"), on="journey_id")
+    labels = joined.get_column("label").to_numpy()
+    probs = joined.get_column("conversion_probability").to_numpy()
+    assert cohort["known"] == joined.height and cohort["converted"] == labels.sum() >= 2
+    assert cohort["roc_auc"] == pytest.approx(roc_auc_score(labels, probs))
+    assert cohort["ece"] == pytest.approx(expected_calibration_error(labels, probs))
+    low, high = cohort["roc_auc_ci"]
+    assert low <= cohort["roc_auc"] <= high
+    assert root.exists()
+
+
+def test_expected_roc_auc_is_the_mean_of_the_realised_one_under_calibration() -> None:
+    rng = np.random.default_rng(0)
+    p = rng.beta(1, 8, 2_000)
+    from sklearn.metrics import roc_auc_score
+
+    realised = [roc_auc_score(rng.random(p.size) < p, p) for _ in range(200)]
+    assert expected_roc_auc(p) == pytest.approx(np.mean(realised), abs=0.003)
+
+
+def test_thresholds_know_their_sample_size() -> None:
+    """Identical samples raise no alert at 100 rows or at 100,000 (a fixed cut-off on a
+    drift figure fires on small ones); a real shift alerts once the sample can tell."""
+    settings = load_config(None).monitor
+    rng = np.random.default_rng(1)
+    shares = [0.5, 0.3, 0.2]
+
+    def mix(n: int, p: list[float]) -> dict[str, int]:
+        counts = rng.multinomial(n, p)
+        return {k: int(c) for k, c in zip("abc", counts, strict=True)}
+
+    reference = Reference(Profile(events=50_000, categories={"channel": mix(50_000, shares)}))
+    alarms = {n: 0 for n in (100, 1_000, 100_000)}
+    for n in alarms:
+        for _ in range(50):
+            night = Profile(events=n, categories={"channel": mix(n, shares)})
+            found = checks(_night(night), reference, {}, settings)
+            alarms[n] += any(c.alert for c in found if c.check == "category_mix")
+    assert alarms == {100: 0, 1_000: 0, 100_000: 0}
+    shifted = Profile(events=5_000, categories={"channel": mix(5_000, [0.2, 0.3, 0.5])})
+    assert any(c.alert for c in checks(_night(shifted), reference, {}, settings))
+    # The same shift on 20 events cannot be told from chance.
+    few = Profile(events=20, categories={"channel": mix(20, [0.2, 0.3, 0.5])})
+    assert not any(c.alert for c in checks(_night(few), reference, {}, settings))
+
+
+def _night(measured: Profile):
+    from datetime import UTC, datetime
+
+    from journeys.monitor import Night
+
+    end = datetime(2026, 2, 1, tzinfo=UTC)
+    return Night("2026-02-01", end - timedelta(days=1), end, measured)
+
+
+def test_benjamini_hochberg_and_js_distance() -> None:
+    assert benjamini_hochberg([0.001, 0.02, 0.04, 0.5], 0.05) == [True, True, False, False]
+    assert benjamini_hochberg([0.01, 0.012, 0.013], 0.05) == [True, True, True]
+    assert js_distance({"a": 5, "b": 5}, {"a": 50, "b": 50}) == pytest.approx(0.0)
+    assert js_distance({"a": 1}, {"b": 1}) == pytest.approx(1.0)
+    assert Sketch.of(np.array([])).n == 0
+
+
+def test_monitor_without_an_ingest_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
+    args = ["--set", f"paths.journeys={tmp_path / 'nothing'}", "--set",
+            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}"]  # fmt: skip
+    with isolated(tmp_path):
+        assert main(["monitor", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "journeys monitor: error:" in err[0]
+    shutil.rmtree(tmp_path, ignore_errors=True)
