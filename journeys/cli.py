@@ -20,6 +20,7 @@ from journeys.errors import Interrupted, JourneysError
 from journeys.pipeline_lock import stage_lock
 
 EXIT_BAD_INPUT = 2
+EXIT_ALERTS = 3  # `journeys monitor`: some check alerted (docs/monitoring.md)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -157,7 +158,8 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     require_input(config.paths.journeys, "journeys", "run `journeys ingest` first")
     require_input(config.paths.scores, "scores", "run `journeys score` first")
     with stage_lock(config, "monitor"):
-        return monitor_command(config)
+        result = monitor_command(config)
+    return EXIT_ALERTS if result.alerts else 0
 
 
 def cmd_pipeline(args: argparse.Namespace) -> None:

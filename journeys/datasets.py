@@ -433,13 +433,19 @@ def chunk_facts(part: Path) -> dict[str, Any] | None:
         return None
 
 
+def scores_as_of(path: str | Path) -> datetime | None:
+    """The latest moment the scores in a folder were made as of (None: they do not say)."""
+    if not Path(path).is_dir():
+        return None
+    moments = [f["as_of"] for p in parquet_parts(path) if (f := chunk_facts(p)) is not None]
+    return datetime.fromisoformat(max(moments)) if moments else None
+
+
 def scores_window_start(path: str | Path, window: timedelta | None) -> datetime | None:
     """Where a report over the last `window` of scores starts: `window` before the latest
     as_of the scores were made at (None: no window, or scores that do not say)."""
-    if window is None or not Path(path).is_dir():
-        return None
-    moments = [f["as_of"] for p in parquet_parts(path) if (f := chunk_facts(p)) is not None]
-    return datetime.fromisoformat(max(moments)) - window if moments else None
+    as_of = scores_as_of(path) if window is not None else None
+    return as_of - window if as_of is not None and window is not None else None
 
 
 def scan_scores(path: str | Path, since: datetime | None = None) -> pl.LazyFrame:

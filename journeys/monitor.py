@@ -43,7 +43,15 @@ from journeys.datasets import (
     scan_scores,
 )
 from journeys.errors import InputError
-from journeys.reference import QUANTILES, Profile, Reference, Sketch, event_rows, profile
+from journeys.reference import (
+    QUANTILES,
+    Profile,
+    Reference,
+    Sketch,
+    event_rows,
+    finite,
+    profile,
+)
 from journeys.storage import atomic_dir, atomic_path
 
 if TYPE_CHECKING:
@@ -55,7 +63,9 @@ REPORT_JSON = "report.json"
 PAGE_FILE = "index.html"
 OPEN_SNAPSHOT = "open.parquet"  # the night's open journeys and their probabilities
 MIN_EXPECTED = 5.0  # categories expected fewer times than this are pooled for chi-square
-ALERT_EXIT = 3  # `journeys monitor` exits with it when any check alerts
+COHORT_INTERVAL = 0.99  # the interval of a cohort's expected conversions
+FIRST_NIGHT = timedelta(days=1)  # a first night, with no history, is the day before the end
+PLOTTED_CATEGORIES = 12  # the commonest values of a column in its plot
 
 
 # ----------------------------------------------------------------------------- tests
@@ -112,16 +122,19 @@ def chi_square_p(night: dict[str, int], reference: dict[str, int]) -> float:
 
 
 def sketch_shift(night: Sketch, reference: Sketch) -> tuple[float, float]:
-    """(Wasserstein distance over the reference's spread, K-S p-value), from quantiles."""
+    """(Wasserstein distance over the reference's spread, K-S p-value), from the sketches'
+    interior quantiles: the minimum and maximum of a heavy-tailed sample move from night
+    to night with nothing changed, and would dominate both figures."""
     from scipy.stats import kstwobign
 
     if night.n == 0 or reference.n == 0:
         return math.nan, 1.0
-    a, b = np.array(night.quantiles), np.array(reference.quantiles)
+    a, b = np.array(night.quantiles)[1:-1], np.array(reference.quantiles)[1:-1]
+    levels = QUANTILES[1:-1]
     wasserstein = float(np.mean(np.abs(a - b)))
     spread = reference.std if reference.std > 0 else max(abs(reference.mean), 1.0)
     grid = np.union1d(a, b)
-    d = float(np.max(np.abs(np.interp(grid, a, QUANTILES) - np.interp(grid, b, QUANTILES))))
+    d = float(np.max(np.abs(np.interp(grid, a, levels) - np.interp(grid, b, levels))))
     effective = night.n * reference.n / (night.n + reference.n)
     return wasserstein / spread, float(kstwobign.sf(d * math.sqrt(effective)))
 
@@ -206,16 +219,13 @@ def checks(night: Night, reference: Reference, baseline: dict[str, float], setti
     sketches += [
         ("journey_length", "n_events_total", night.profile.length, ref.length),
         ("gaps", "event_time", night.profile.gap_hours, ref.gap_hours),
+        ("scores", "conversion_probability", night.profile.probability, ref.probability),
     ]
-    floors = {"scores": settings.min_score_shift}
-    sketches.append(
-        ("scores", "conversion_probability", night.profile.probability, ref.probability)
-    )
     for check, column, now, before in sketches:
         if before is None or now.n == 0 or before.n == 0:
             continue
         shift, p = sketch_shift(now, before)
-        floor = floors.get(check, settings.min_shift)
+        floor = settings.min_score_shift if check == "scores" else settings.min_shift
         found.append(Check(
             check, column,
             f"{column}: mean {now.mean:.4g} tonight ({now.n:,}) against {before.mean:.4g} in the "
@@ -230,8 +240,8 @@ def checks(night: Night, reference: Reference, baseline: dict[str, float], setti
             "mean_probability", "conversion_probability",
             f"mean predicted probability {night.profile.probability.mean:.4f} tonight against "
             f"{ref.probability.mean:.4f} in the reference ({ratio:.2f}x)",
-            ratio, settings.score_ratio, _two_sided(z),
-            max(ratio, 1 / ratio if ratio > 0 else math.inf) >= settings.score_ratio,
+            either_way(ratio), settings.score_ratio, _two_sided(z),
+            either_way(ratio) >= settings.score_ratio,
         ))  # fmt: skip
     valid = night.rows_read - sum(night.quarantined.values())
     if reference.conversions_per_row and valid > 0:
@@ -244,8 +254,8 @@ def checks(night: Night, reference: Reference, baseline: dict[str, float], setti
             "conversions", None,
             f"{night.conversions:,} conversions in tonight's {valid:,} valid rows, "
             f"{expected:,.0f} expected at the reference's rate ({ratio:.2f}x)",
-            ratio, settings.conversion_ratio, min(1.0, float(p)),
-            ratio <= 1 / settings.conversion_ratio or ratio >= settings.conversion_ratio,
+            either_way(ratio), settings.conversion_ratio, min(1.0, float(p)),
+            either_way(ratio) >= settings.conversion_ratio,
         ))  # fmt: skip
     for reason, count in night.quarantined.items():
         base = baseline.get(reason, reference.quarantined_share.get(reason, 0.0))
@@ -273,6 +283,11 @@ def checks(night: Night, reference: Reference, baseline: dict[str, float], setti
         replace(c, alert=c.over_floor and (c.p_value is None or i in significant))
         for i, c in enumerate(found)
     ]
+
+
+def either_way(ratio: float) -> float:
+    """How far a ratio is from 1, either way: 0.5x and 2x are both 2 (none at all: inf)."""
+    return max(ratio, 1.0 / ratio) if ratio > 0 else math.inf
 
 
 def _p(value: float | None) -> float:
@@ -312,12 +327,13 @@ def cohort_figures(
     probs = known.get_column("conversion_probability").to_numpy()
     figures: dict[str, Any] = {
         "journeys": snapshot.height,
-        "known": known.height,
+        "known": known.height,  # the rest are still open (a journey has no longest span)
         "converted": int(labels.sum()),
-        "expected_conversions": float(probs.sum()),
-        "estimated_roc_auc": expected_roc_auc(snapshot.get_column("conversion_probability").to_numpy()),
+        "expected_conversions": float(probs.sum()),  # among the known
+        # CBPE on the journeys whose outcome is known: what the realised figure is beside
+        "estimated_roc_auc": expected_roc_auc(probs),
         "matured": matured,
-    }  # fmt: skip
+    }
     if matured and settings.min_cohort_conversions <= labels.sum() < labels.size:
         low, high = roc_auc_interval(labels, probs)
         figures |= {
@@ -330,9 +346,13 @@ def cohort_figures(
 
 
 def _poisson_binomial_interval(probs: np.ndarray) -> list[float]:
-    """99% interval of the number of conversions if the probabilities are right."""
+    """`COHORT_INTERVAL` interval of the number of conversions if the probabilities are
+    right (normal approximation of the Poisson-binomial)."""
+    from statistics import NormalDist
+
+    z = NormalDist().inv_cdf(0.5 + COHORT_INTERVAL / 2)
     mean, sd = float(probs.sum()), float(np.sqrt(np.sum(probs * (1 - probs))))
-    return [max(0.0, mean - 2.576 * sd), mean + 2.576 * sd]
+    return [max(0.0, mean - z * sd), mean + z * sd]
 
 
 def outcomes(journeys_folder: Path, ids: pl.Series, since: datetime) -> pl.DataFrame:
@@ -344,7 +364,7 @@ def outcomes(journeys_folder: Path, ids: pl.Series, since: datetime) -> pl.DataF
         .select("journey_id", "label", "censored", "_file")
         .collect()
     )
-    open_part = pl.col("_file").str.contains(OPEN_PART_PREFIX, literal=True)
+    open_part = pl.col("_file").str.split("/").list.last().str.starts_with(OPEN_PART_PREFIX)
     known = (pl.col("label") == 1) | (~open_part & ~pl.col("censored").fill_null(False))
     return found.filter(known).select("journey_id", pl.col("label").cast(pl.Int8).alias("outcome"))
 
@@ -361,40 +381,31 @@ class MonitorReport:
     checks: list[Check]
     cohorts: dict[str, dict[str, Any]]
     night_facts: dict[str, Any]
-    notes: list[str] = field(default_factory=list)
 
     @property
     def alerts(self) -> list[Check]:
         return [c for c in self.checks if c.alert]
 
     def to_json(self) -> dict[str, Any]:
-        def entry(c: Check) -> dict[str, Any]:
-            return {k: _finite(v) for k, v in asdict(c).items()}
-
-        return {
+        """Valid JSON: a figure that is not a number (NaN, inf) is null."""
+        return finite({
             "night": self.night,
             "start": self.start.isoformat(),
             "end": self.end.isoformat(),
             "model": self.model,
-            "alerts": [entry(c) for c in self.alerts],
-            "checks": [entry(c) for c in self.checks],
-            "cohorts": {k: {n: _finite(v) for n, v in c.items()} for k, c in self.cohorts.items()},
-            "night_facts": {k: _finite(v) for k, v in self.night_facts.items()},
-            "notes": self.notes,
-        }
-
-
-def _finite(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+            "alerts": [asdict(c) for c in self.alerts],
+            "checks": [asdict(c) for c in self.checks],
+            "cohorts": self.cohorts,
+            "night_facts": self.night_facts,
+        })  # fmt: skip
 
 
 def monitor(config: Config, trained: TrainedModel) -> MonitorReport:
     """Tonight's monitor report, written under `paths.reports/monitor/<night>/`, with the
     night's row in `history.parquet` and its open journeys' snapshot."""
     journeys_folder = Path(config.paths.journeys)
-    report = IngestReport.read(journeys_folder)
-    if report is None or report.data_end is None:
-        raise InputError(f"no ingest report beside {journeys_folder}: run `journeys ingest` first")
+    report = ingest_report(config)
+    check_scores_current(config, report)
     reference = trained.reference
     if reference is None:
         raise InputError(
@@ -405,14 +416,18 @@ def monitor(config: Config, trained: TrainedModel) -> MonitorReport:
     root = Path(config.paths.reports) / MONITOR_DIR
     history = read_history(root)
     end = report.data_end
-    earlier = history.filter(pl.col("end") < end) if history.height else history
-    start = earlier.get_column("end").max() if earlier.height else end - timedelta(days=1)
-    night, opened = measure_night(config, trained, report, start, end)
+    assert end is not None  # ingest_report checked it
+    # A night is a date: run again on the same date (a second ingest, a rerun), it is
+    # measured again from the end of the previous date, and replaces its row.
+    earlier = history.filter(pl.col("night") < end.date().isoformat())
+    start = earlier.get_column("end").max() if earlier.height else end - FIRST_NIGHT
+    seen = set(earlier.get_column("sources").tail(1).explode().drop_nulls()) if earlier.height else None  # fmt: skip
+    night, opened = measure_night(config, trained, report, start, end, seen)
     baseline = quarantine_baseline(earlier.tail(settings.recent_nights))
     found = checks(night, reference, baseline, settings)
     cohorts = cohort_history(root, journeys_folder, end, config)
     result = MonitorReport(
-        night.night, start, end, f"{trained.model_uri} v{trained.model_version}", found, cohorts,
+        night.night, start, end, model_name(trained), found, cohorts,
         {
             "events": night.profile.events, "rows_read": night.rows_read,
             "quarantined": sum(night.quarantined.values()), "conversions": night.conversions,
@@ -422,17 +437,54 @@ def monitor(config: Config, trained: TrainedModel) -> MonitorReport:
             "reference_roc_auc": reference.roc_auc,
         },
     )  # fmt: skip
-    write_night(root, result, night, opened, reference)
+    write_night(root, result, night, opened, reference, report.sources)
     return result
 
 
+def model_name(trained: TrainedModel) -> str:
+    """The model as reports name it: its URI (a password in it redacted) and version."""
+    from journeys.config import redact_uri
+
+    version = f" v{trained.model_version}" if trained.model_version else ""
+    return f"{redact_uri(trained.model_uri)}{version}"
+
+
+def ingest_report(config: Config) -> IngestReport:
+    report = IngestReport.read(config.paths.journeys)
+    if report is None or report.data_end is None:
+        raise InputError(
+            f"no ingest report beside the journeys at {config.paths.journeys}: run "
+            "`journeys ingest` first"
+        )
+    return report
+
+
+def check_scores_current(config: Config, report: IngestReport) -> None:
+    """`InputError` when the scores stand before the journeys' end: a scoring that failed
+    would otherwise be monitored as tonight's."""
+    from journeys.datasets import scores_as_of
+
+    as_of, end = scores_as_of(config.paths.scores), report.outcomes_until
+    if as_of is not None and end is not None and as_of < end:
+        raise InputError(
+            f"the scores at {config.paths.scores} stand at {as_of:%Y-%m-%d %H:%M} and the "
+            f"journeys at {end:%Y-%m-%d %H:%M}: run `journeys score` first"
+        )
+
+
 def measure_night(
-    config: Config, trained: TrainedModel, report: IngestReport, start: datetime, end: datetime
+    config: Config,
+    trained: TrainedModel,
+    report: IngestReport,
+    start: datetime,
+    end: datetime,
+    seen: set[str] | None,
 ) -> tuple[Night, pl.DataFrame]:
-    """The night's events, closed journeys and new files' rows, and its open journeys'
-    probabilities (journey_id, conversion_probability, as_of)."""
-    categorical = list(trained.encoder.vocabs.features)
-    numeric = [n for n in config.data.numeric_features]
+    """The night's events, closed journeys and the rows of the files not `seen` by an
+    earlier night (None: the last ingest's), and its open journeys' probabilities
+    (journey_id, conversion_probability, as_of)."""
+    categorical = list(trained.encoder.features)
+    numeric = list(trained.encoder.numeric_features)
     journeys = scan_journeys(config.paths.journeys).filter(pl.col("end_time") > start)
     events = event_rows(journeys, categorical, numeric, start).collect()
     # Journeys whose visit closed tonight (the closing horizon moved from start's to
@@ -455,8 +507,11 @@ def measure_night(
     vocabularies = trained.encoder.vocabs
     measured = profile(events, closed, categorical, numeric, vocabularies, probabilities, False)
     measured = replace(measured, busiest_user=busiest_user(events, journeys, start))
-    run = report.ingest
-    new_files = sorted({str(Path(f).absolute()) for f in (run.new_files if run else [])})
+    if seen is None:
+        run = report.ingest
+        new_files = sorted({str(Path(f).absolute()) for f in (run.new_files if run else [])})
+    else:  # every file since the last night monitored, if nights were skipped
+        new_files = sorted(set(report.sources) - seen)
     facts = [report.by_source[f] for f in new_files if f in report.by_source]
     quarantined: dict[str, int] = {}
     for entry in facts:
@@ -519,6 +574,8 @@ def cohort_history(root: Path, journeys_folder: Path, now: datetime, config: Con
     maturity = config.journey.max_gap_delta + config.ingest.late_allowed_delta
     cohorts = {}
     for path in sorted(root.glob(f"*/{OPEN_SNAPSHOT}")):
+        if path.parent.name.startswith("."):  # an interrupted swap's leftover
+            continue
         snapshot = pl.read_parquet(path)
         if snapshot.height == 0:
             continue
@@ -548,6 +605,7 @@ HISTORY_SCHEMA = {
     "alerted": pl.List(pl.String),
     "quarantined_by_reason": pl.List(pl.Struct({"reason": pl.String, "rows": pl.Int64})),
     "figures": pl.List(pl.Struct({"check": pl.String, "column": pl.String, "figure": pl.Float64})),
+    "sources": pl.List(pl.String),  # every raw file ingested by then: the next night's are new
 }
 
 
@@ -557,13 +615,19 @@ def read_history(root: Path) -> pl.DataFrame:
 
 
 def write_night(
-    root: Path, result: MonitorReport, night: Night, opened: pl.DataFrame, reference: Reference
+    root: Path,
+    result: MonitorReport,
+    night: Night,
+    opened: pl.DataFrame,
+    reference: Reference,
+    sources: list[str],
 ) -> None:
     """The night's folder (report.json, index.html, open.parquet), then its history row
     (a night monitored again replaces its row)."""
     with atomic_dir(root / result.night) as folder:
         opened.write_parquet(folder / OPEN_SNAPSHOT)
-        (folder / REPORT_JSON).write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        text = json.dumps(result.to_json(), indent=2, allow_nan=False)
+        (folder / REPORT_JSON).write_text(text + "\n")
         (folder / PAGE_FILE).write_text(page(result, night, reference))
     row = pl.DataFrame(
         {
@@ -583,6 +647,7 @@ def write_night(
             "figures": [
                 [{"check": c.check, "column": c.column, "figure": _nan(c.figure)} for c in result.checks]
             ],
+            "sources": [sources],
         },
         schema=HISTORY_SCHEMA,
     )  # fmt: skip
@@ -673,7 +738,7 @@ def plots(night: Night, reference: Reference) -> dict[str, str]:
     images = {}
     for column, counts in night.profile.categories.items():
         before = reference.profile.categories.get(column, {})
-        keys = sorted(set(counts) | set(before), key=lambda k: -(counts.get(k, 0) + before.get(k, 0)))[:12]  # fmt: skip
+        keys = sorted(set(counts) | set(before), key=lambda k: -(counts.get(k, 0) + before.get(k, 0)))[:PLOTTED_CATEGORIES]  # fmt: skip
         if not keys:
             continue
         figure, axes = plt.subplots(figsize=(7, 3))
@@ -716,11 +781,7 @@ def run_monitor(config: Config) -> MonitorReport:
     from journeys.datasets import read_metadata
     from journeys.trained_model import load_model
 
-    if IngestReport.read(config.paths.journeys) is None:
-        raise InputError(
-            f"no ingest report beside the journeys at {config.paths.journeys}: run "
-            "`journeys ingest` first"
-        )
+    check_scores_current(config, ingest_report(config))  # before the model loads
     uri = scoring_model_uri(read_metadata(config.paths.scores))
     if uri is None:
         raise InputError(f"the scores at {config.paths.scores} do not name their model: re-score")
@@ -742,8 +803,8 @@ def alert_lines(result: MonitorReport) -> list[str]:
     return [f"ALERT {result.night} {c.check}: {c.message}" for c in result.alerts]
 
 
-def monitor_command(config: Config) -> int:
-    """`journeys monitor`: the night's report; exit 3 with any alert, else 0."""
+def monitor_command(config: Config) -> MonitorReport:
+    """`journeys monitor`: the night's report, its alerts printed one a line."""
     result = run_monitor(config)
     for line in alert_lines(result):
         print(f"journeys monitor: {line}")
@@ -752,4 +813,4 @@ def monitor_command(config: Config) -> int:
         f"journeys monitor: night {result.night}: {len(result.checks)} checks, "
         f"{len(result.alerts)} alert(s) -> {page}"
     )
-    return ALERT_EXIT if result.alerts else 0
+    return result

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 REFERENCE_FILE = "reference.json"  # saved with the model
 QUANTILES = np.linspace(0.0, 1.0, 51)  # a sketch keeps the distribution at these levels
+TOP_UNKNOWN = 5  # the commonest values the model lacks, kept to name them
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,11 @@ class Sketch:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Sketch:
-        return cls(data["n"], data["mean"], data["std"], tuple(data["quantiles"]))
+        def number(value: float | None) -> float:
+            return math.nan if value is None else float(value)
+
+        quantiles = tuple(number(q) for q in data["quantiles"])
+        return cls(data["n"], number(data["mean"]), number(data["std"]), quantiles)
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class Profile:
     # the reference)
 
     def to_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(asdict(self)))
+        return finite(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -127,7 +132,9 @@ def profile(
                 ~pl.col(column).is_in(known.implode()) & (pl.col(column) != MISSING_VALUE)
             )
             unknown[column] = int(lacked.get_column("count").sum())
-            unknown_top[column] = [(str(v), int(n)) for v, n in lacked.head(5).iter_rows()]
+            unknown_top[column] = [
+                (str(v), int(n)) for v, n in lacked.head(TOP_UNKNOWN).iter_rows()
+            ]
     keys = ["user_id", "day"] if busiest_by_day else ["user_id"]
     per_user = events.group_by(keys).len().sort("len", descending=True)
     busiest = (str(per_user.item(0, "user_id")), int(per_user.item(0, "len"))) if per_user.height else ("", 0)  # fmt: skip
@@ -162,7 +169,7 @@ class Reference:
 
     def save(self, folder: Path) -> Path:
         path = folder / REFERENCE_FILE
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        path.write_text(json.dumps(finite(self.to_dict()), indent=1, allow_nan=False) + "\n")
         return path
 
     @classmethod
@@ -196,3 +203,14 @@ def build_reference(
         shares,
         roc_auc,
     )
+
+
+def finite(value: Any) -> Any:
+    """`value` with every float that is not finite, however deep, as None (valid JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value

@@ -25,6 +25,7 @@ from journeys.monitor import (
     checks,
     expected_roc_auc,
     js_distance,
+    read_history,
 )
 from journeys.reference import Profile, Reference, Sketch
 
@@ -106,10 +107,17 @@ def nights(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
             assert main(["score", *overrides(config)]) == 0
             code = main(["monitor", *overrides(config)])
             nights_done = sorted((folder / "reports" / MONITOR_DIR).glob("*/" + REPORT_JSON))
-            report = json.loads(nights_done[-1].read_text())
+            report = json.loads(nights_done[-1].read_text(), parse_constant=not_json)
             reports[number] = {"code": code, "report": report, "folder": nights_done[-1].parent}
+        # Monitoring the last night again measures it again and replaces its row.
+        again = main(["monitor", *overrides(config)])
+        reports[DAYS] = {"code": again, "history": read_history(folder / "reports" / MONITOR_DIR)}
     reports[0] = {"config": config, "folder": folder}
     return reports
+
+
+def not_json(constant: str) -> None:
+    raise AssertionError(f"report.json holds {constant}, which is not JSON")
 
 
 def overrides(config) -> list[str]:
@@ -162,6 +170,9 @@ def test_a_night_writes_its_page_snapshot_and_history_row(nights: dict[int, dict
     assert (folder / OPEN_SNAPSHOT).exists()
     history = pl.read_parquet(folder.parent / "history.parquet")
     assert history.height == DAYS - 1 - TRAIN_DAYS  # one row a night
+    rerun = nights[DAYS]["history"]  # the last night monitored again: its row replaced
+    assert rerun.height == history.height and nights[DAYS]["code"] == night["code"]
+    assert rerun.get_column("night").to_list() == history.get_column("night").to_list()
     assert history.get_column("night").n_unique() == history.height
     alerted = dict(zip(history["night"], history["alerts"], strict=True))
     assert alerted[nights[33]["report"]["night"]] >= 1
@@ -239,6 +250,22 @@ def _night(measured: Profile):
 
     end = datetime(2026, 2, 1, tzinfo=UTC)
     return Night("2026-02-01", end - timedelta(days=1), end, measured)
+
+
+def test_an_unchanged_heavy_tailed_number_raises_nothing_on_large_nights() -> None:
+    """A price drawn from the same lognormal: its extremes move night to night, its
+    distribution does not; a tenfold price (cents for euros) alerts."""
+    settings = load_config(None).monitor
+    rng = np.random.default_rng(2)
+    reference = Reference(
+        Profile(events=500_000, numeric={"price": Sketch.of(rng.lognormal(3, 1.5, 500_000))})
+    )
+    for n in (1_000, 50_000, 200_000):
+        night = Profile(events=n, numeric={"price": Sketch.of(rng.lognormal(3, 1.5, n))})
+        assert not any(c.alert for c in checks(_night(night), reference, {}, settings)), n
+    cents = Profile(events=5_000, numeric={"price": Sketch.of(10 * rng.lognormal(3, 1.5, 5_000))})
+    alerts = [c for c in checks(_night(cents), reference, {}, settings) if c.alert]
+    assert [(c.check, c.column) for c in alerts] == [("numeric_shift", "price")]
 
 
 def test_benjamini_hochberg_and_js_distance() -> None:
