@@ -169,8 +169,7 @@ def train_command(
             trained.quiet_survival = in_flight_recalibration(trained, journeys, max_gap)
             trained.reference = monitoring_reference(
                 trained, splits["val"], candidates.served_val[decision.kind],
-                config.data.numeric_features, config.paths.journeys,
-                decision.val_roc_auc.get(decision.kind),
+                config.paths.journeys, decision.val_roc_auc.get(decision.kind),
             )  # fmt: skip
             metrics |= candidates.metrics(decision.kind)
             metrics |= {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
@@ -553,7 +552,6 @@ def monitoring_reference(
     trained: TrainedModel,
     val: pl.DataFrame,
     served: np.ndarray,
-    numeric: list[str],
     journeys_folder: str,
     val_roc_auc: float | None,
 ) -> Reference:
@@ -563,8 +561,9 @@ def monitoring_reference(
     from journeys.reference import build_reference
 
     report = IngestReport.read(journeys_folder)
-    vocabularies = trained.encoder.vocabs
-    return build_reference(val, served, vocabularies, numeric, report, val_roc_auc)
+    encoder = trained.encoder
+    numeric = encoder.numeric_features
+    return build_reference(val, served, encoder.vocabs, numeric, report, val_roc_auc)
 
 
 def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, float]:
