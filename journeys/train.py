@@ -131,10 +131,7 @@ def train_command(
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     root = Path(config.paths.checkpoints)
     if global_rank() != 0:  # other DDP ranks fit, and nothing else
-        checkpoint_dir = Path(read_state(root)["checkpoint_dir"]) if resume else None
-        with tracking.use_tracking_uri(tracking.tracking_uri(config)):
-            fit(config, sizes, None, checkpoint_dir, resume)
-        return None
+        return fit_on_other_rank(config, sizes, root, resume)
 
     # 1. set up
     uri, model_name = tracking.tracking_uri(config), config.mlflow.registered_model
@@ -155,7 +152,6 @@ def train_command(
             evaluation = evaluate(fitted, Path(tmp))
             rules = JourneyRules.from_config(config)  # what a journey is, kept with the model
             trained = transformer_model(fitted, evaluation, rules, journeys, max_gap)
-            metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
             # 4. the other candidates (the baselines, the stack), on the same journeys
             splits = in_data_module_order(journeys, fitted)
             baselines = run_baselines_beside(run, config, splits)
@@ -165,12 +161,11 @@ def train_command(
             )
             # 5. choose among them on val (never on test), log and register
             decision = choose(config.promotion, model_name, uri, candidates, splits["val"])
-            trained = candidates.serving(trained, decision.kind)
-            trained.quiet_survival = in_flight_recalibration(trained, journeys, max_gap)
-            trained.reference = monitoring_reference(
-                trained, splits["val"], candidates.served_val[decision.kind],
-                config.paths.journeys, decision.val_roc_auc.get(decision.kind),
+            trained = served_model(
+                trained, candidates, decision, journeys, splits["val"], max_gap,
+                config.paths.journeys,
             )  # fmt: skip
+            metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
             metrics |= candidates.metrics(decision.kind)
             metrics |= {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
             registration, model_uri = log_and_register(
@@ -546,6 +541,34 @@ def in_flight_recalibration(
             f"(log-odds x {b:.2f}, {c:+.2f} per log quiet hour, {a:+.2f})"
         )
     return recalibrated
+
+
+def fit_on_other_rank(
+    config: Config, sizes: dict[str, dict[str, int]], root: Path, resume: bool
+) -> None:
+    """A DDP rank other than 0: it fits (resuming where rank 0 does), and nothing else."""
+    checkpoint_dir = Path(read_state(root)["checkpoint_dir"]) if resume else None
+    with tracking.use_tracking_uri(tracking.tracking_uri(config)):
+        fit(config, sizes, None, checkpoint_dir, resume)
+
+
+def served_model(
+    trained: TrainedModel,
+    candidates: Candidates,
+    decision: Decision,
+    journeys: pl.DataFrame,
+    val: pl.DataFrame,
+    max_gap: timedelta,
+    journeys_folder: str,
+) -> TrainedModel:
+    """The model the run registers: the transformer serving the chosen candidate's
+    probability, its open-journey survival recalibrated, and its monitoring reference."""
+    trained = candidates.serving(trained, decision.kind)
+    trained.quiet_survival = in_flight_recalibration(trained, journeys, max_gap)
+    served_val = candidates.served_val[decision.kind]
+    auc = decision.val_roc_auc.get(decision.kind)
+    trained.reference = monitoring_reference(trained, val, served_val, journeys_folder, auc)
+    return trained
 
 
 def monitoring_reference(
