@@ -66,6 +66,7 @@ def config_for(landing: Path, out: Path):
             f"paths.journeys={out / 'journeys'}",
             f"paths.quarantine={out / 'quarantine'}",
             f"paths.scores={out / 'scores'}",
+            f"paths.reports={out / 'reports'}",
         ],
     )
 
@@ -104,8 +105,10 @@ def make_days(users: int, days: int) -> int:
 
 
 def night(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]:
-    """One ingest + scoring: their work times (s) and what they did."""
+    """One ingest + scoring (+ the monitor, on a nightly run): their work times (s) and
+    what they did."""
     from journeys.ingest import run_ingest
+    from journeys.monitor import monitor
     from journeys.score import score_dataset
     from journeys.trained_model import load_model
 
@@ -119,9 +122,12 @@ def night(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]
         chunk_journeys=config.score.chunk_journeys, keep_earlier=not full,
     )  # fmt: skip
     done = time.perf_counter()
+    alerts = 0 if full else len(monitor(config, trained).alerts)
     return {
         "ingest_s": ingested - started,
         "score_s": done - ingested,
+        "monitor_s": 0.0 if full else time.perf_counter() - done,
+        "alerts": alerts,
         "rows_read": report.ingest.rows_read,
         "journeys": report.journeys,
         "scored_now": scored.rows - scored.kept,
@@ -180,9 +186,9 @@ def as_scheduled(landing: Path, out: Path, model: Path, full: bool) -> dict[str,
 
 
 def with_stack(model: Path, journeys: Path) -> None:
-    """Give the saved model a stack head: `hgb_aggregates` fitted on `journeys` as they
+    """Give the saved model a stack head, `hgb_aggregates` fitted on `journeys` as they
     are on the first night, open ones and all (its fit does not matter here, its loading
-    does)."""
+    does), and a monitoring reference from those journeys and the model's probabilities."""
     from journeys.baselines import BaselineSettings, fit_baseline
     from journeys.datasets import scan_journeys
     from journeys.inputs import CategoricalInput
@@ -194,6 +200,13 @@ def with_stack(model: Path, journeys: Path) -> None:
     columns = (CategoricalInput("channel"), CategoricalInput("device"))
     booster = fit_baseline("hgb_aggregates", train, BaselineSettings(columns))
     trained.stack = Stack(booster, (0.5, 0.5), 0.0)  # type: ignore[arg-type]
+    from journeys.reference import build_reference
+
+    probabilities = trained.probabilities(trained.predict_logits(train), train)
+    numeric = trained.encoder.numeric_features
+    trained.reference = build_reference(
+        train, probabilities, trained.encoder.vocabs, numeric, None, None
+    )
     trained.save(model)
 
 
@@ -255,7 +268,8 @@ def main() -> None:
             result = night(landing, nightly, model, full=False)
             print(
                 f"day {day:3d}: ingest {result['ingest_s']:5.2f} s, score "
-                f"{result['score_s']:5.2f} s ({result['scored_now']:,} scored now)",
+                f"{result['score_s']:5.2f} s ({result['scored_now']:,} scored now), monitor "
+                f"{result['monitor_s']:5.2f} s ({result['alerts']} alerts)",
                 flush=True,
             )
             continue
@@ -282,8 +296,8 @@ def main() -> None:
     table = [
         "| day | as scheduled: nightly / full rebuild (processes) | ratio | work alone: nightly "
         "ingest + score (scored now) | full rebuild: ingest + score | ratio "
-        "| peak memory nightly / full | equal |",
-        "|---|---|---|---|---|---|---|---|",
+        "| peak memory nightly / full | equal | monitor (work alone) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for day, inc, reb, equal in rows:
         n_total, f_total = inc["ingest_s"] + inc["score_s"], reb["ingest_s"] + reb["score_s"]
@@ -293,7 +307,9 @@ def main() -> None:
             f"| {inc['ingest_s']:.1f} + {inc['score_s']:.1f} = {n_total:.1f} s "
             f"({inc['scored_now']:,} of {reb['journeys']:,}) | {reb['ingest_s']:.1f} + "
             f"{reb['score_s']:.1f} = {f_total:.1f} s | {n_total / f_total:.3f}x | "
-            f"{inc['peak_mb']:,.0f} / {reb['peak_mb']:,.0f} MB | {'yes' if equal else 'NO'} |"
+            f"{inc['peak_mb']:,.0f} / {reb['peak_mb']:,.0f} MB | {'yes' if equal else 'NO'} "
+            f"| {inc['monitor_s']:.1f} s ({inc['monitor_s'] / n_total:.0%} of the night's work, "
+            f"{inc['alerts']:.0f} alerts) |"
         )
     text = "\n".join(
         [

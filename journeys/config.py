@@ -635,6 +635,13 @@ class Monitor(Section):
     flood_factor: Annotated[float, Field(gt=1)] = 5.0
     recent_nights: Annotated[int, Field(ge=1)] = 14  # the quarantine's baseline
     min_cohort_conversions: Annotated[int, Field(ge=1)] = 10  # a cohort's realised figures
+    # A cohort's figures stop updating this long after its night (outcomes of journeys
+    # still open by then are left unknown), so a night's cost does not grow with history.
+    cohort_horizon: Duration = "28d"
+
+    @property
+    def cohort_horizon_delta(self) -> timedelta:
+        return parse_duration(self.cohort_horizon)
 
 
 class Schedule(Section):

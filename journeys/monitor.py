@@ -570,23 +570,42 @@ def quarantine_baseline(recent: pl.DataFrame) -> dict[str, float]:
 
 
 def cohort_history(root: Path, journeys_folder: Path, now: datetime, config: Config) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Each earlier night's open journeys against their outcomes so far."""
+    """Each earlier night's open journeys against their outcomes so far, looked up in one
+    query. A cohort the last report found final (every outcome known, or older than
+    `monitor.cohort_horizon`) keeps its figures, so a night's cost stays flat."""
     maturity = config.journey.max_gap_delta + config.ingest.late_allowed_delta
-    cohorts = {}
+    horizon = now - config.monitor.cohort_horizon_delta
+    earlier = last_report(root, now.date().isoformat()).get("cohorts", {})
+    cohorts, pending = {}, {}
     for path in sorted(root.glob(f"*/{OPEN_SNAPSHOT}")):
-        if path.parent.name.startswith("."):  # an interrupted swap's leftover
+        name = path.parent.name
+        if name.startswith("."):  # an interrupted swap's leftover
+            continue
+        kept = earlier.get(name)
+        if kept and (kept["known"] == kept["journeys"] or name < horizon.date().isoformat()):
+            cohorts[name] = kept
             continue
         snapshot = pl.read_parquet(path)
-        if snapshot.height == 0:
-            continue
-        as_of = snapshot.get_column("as_of").min()
-        if as_of >= now:
-            continue
-        found = outcomes(journeys_folder, snapshot.get_column("journey_id"), as_of - maturity)
-        cohorts[path.parent.name] = cohort_figures(
-            snapshot, found, now - as_of >= maturity, config.monitor
-        )
-    return cohorts
+        if snapshot.height and snapshot.get_column("as_of").min() < now:
+            pending[name] = snapshot
+    if not pending:
+        return cohorts
+    ids = pl.concat([snapshot.get_column("journey_id") for snapshot in pending.values()])
+    since = min(snapshot.get_column("as_of").min() for snapshot in pending.values())
+    found = outcomes(journeys_folder, ids.unique(), since - maturity)
+    for name, snapshot in pending.items():
+        matured = now - snapshot.get_column("as_of").min() >= maturity
+        cohorts[name] = cohort_figures(snapshot, found, matured, config.monitor)
+    return dict(sorted(cohorts.items()))
+
+
+def last_report(root: Path, before: str) -> dict[str, Any]:
+    """The report.json of the latest night before the date `before` ({} if none)."""
+    nights = sorted(
+        p for p in root.glob(f"*/{REPORT_JSON}") if not p.parent.name.startswith(".")
+        and p.parent.name < before
+    )  # fmt: skip
+    return json.loads(nights[-1].read_text()) if nights else {}
 
 
 # ----------------------------------------------------------------------------- output
