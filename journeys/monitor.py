@@ -429,7 +429,7 @@ def monitor(config: Config, trained: TrainedModel) -> MonitorReport:
     result = MonitorReport(
         night.night, start, end, model_name(trained), found, cohorts,
         {
-            "events": night.profile.events, "rows_read": night.rows_read,
+            "files": night.files, "events": night.profile.events, "rows_read": night.rows_read,
             "quarantined": sum(night.quarantined.values()), "conversions": night.conversions,
             "closed_journeys": night.profile.length.n, "open_journeys": night.open_journeys,
             "open_mean_probability": night.open_mean_probability,
@@ -493,15 +493,16 @@ def measure_night(
     scores = scan_scores(config.paths.scores, start - closing)
     length = "n_events_total" if "n_events_total" in scores.collect_schema() else "n_events"
     last = pl.col("event_time").list.last()
-    closed = (
-        scores.filter(~pl.col("open"), last.is_between(start - closing, end - closing, "right"))
-        .select("journey_id", "conversion_probability", pl.col(length).alias("n_events_total"))
-        .collect()
-    )
-    opened = (
-        scores.filter(pl.col("open"))
-        .select("journey_id", "conversion_probability", "as_of")
-        .collect()
+    # One pass over the scores files for both (Polars shares the scan).
+    closed, opened = pl.collect_all(
+        [
+            scores.filter(
+                ~pl.col("open"), last.is_between(start - closing, end - closing, "right")
+            ).select(
+                "journey_id", "conversion_probability", pl.col(length).alias("n_events_total")
+            ),
+            scores.filter(pl.col("open")).select("journey_id", "conversion_probability", "as_of"),
+        ]
     )
     probabilities = closed.get_column("conversion_probability").to_numpy()
     vocabularies = trained.encoder.vocabs
@@ -800,7 +801,7 @@ def run_monitor(config: Config) -> MonitorReport:
     from journeys.datasets import read_metadata
     from journeys.trained_model import load_model
 
-    check_scores_current(config, ingest_report(config))  # before the model loads
+    ingest_report(config)  # fails before the model loads; `monitor` checks the rest
     uri = scoring_model_uri(read_metadata(config.paths.scores))
     if uri is None:
         raise InputError(f"the scores at {config.paths.scores} do not name their model: re-score")
