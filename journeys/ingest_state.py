@@ -18,7 +18,7 @@ no file read before, no part, no counters, no open rows.
 
 It is written last, inside the folder that is swapped in whole (`storage.atomic_dir`):
 the manifest and the files it names always belong together. Scoring keeps its own
-"what an earlier run left" in its files' metadata (`journeys.score.EarlierScores`).
+"what an earlier run left" in its files' metadata (`journeys.score.ScoreState`).
 """
 
 from __future__ import annotations

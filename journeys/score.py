@@ -381,9 +381,9 @@ def score_dataset(
         "attention": attention,
     }  # fmt: skip
     earlier = (
-        earlier_scores(Path(out), rows_of, facts, as_of, schema)
+        score_state(Path(out), rows_of, facts, as_of, schema)
         if keep_earlier
-        else EarlierScores(why_not="asked to score everything")
+        else ScoreState(why_not="asked to score everything")
     )
     todo = [(part, key) for part, key in zip(parts, keys, strict=True) if key not in earlier.parts]
     todo_rows = [rows_of[key] for _, key in todo]
@@ -450,8 +450,9 @@ def part_key(path: Path) -> str:
 
 
 @dataclass(frozen=True)
-class EarlierScores:
-    """The earlier scores a run keeps, and why it keeps none when it does not."""
+class ScoreState:
+    """What an earlier scoring left that this one keeps: its files still right, and why
+    none when none is (scoring's counterpart of `journeys.ingest_state.IngestState`)."""
 
     files: list[Path] = field(default_factory=list)
     parts: frozenset[str] = frozenset()  # input parts they cover whole
@@ -462,13 +463,13 @@ class EarlierScores:
     others: list[Path] = field(default_factory=list)
 
 
-def earlier_scores(
+def score_state(
     out: Path, part_rows: dict[str, int], facts: dict[str, Any], as_of: datetime,
     schema: pl.Schema,
-) -> EarlierScores:  # fmt: skip
+) -> ScoreState:  # fmt: skip
     """The files of an earlier scoring of `out` that still hold the right scores."""
     if not out.is_dir():
-        return EarlierScores(why_not="no earlier scores")
+        return ScoreState(why_not="no earlier scores")
     candidates, usable, models = {}, [], set()
     for path in parquet_parts(out):
         chunk = chunk_facts(path)
@@ -508,13 +509,13 @@ def earlier_scores(
         )
     rows = sum(c["rows"] for c in candidates.values())
     others = [path for path in usable if path not in candidates]
-    return EarlierScores(sorted(candidates), frozenset(whole), rows, why, others)
+    return ScoreState(sorted(candidates), frozenset(whole), rows, why, others)
 
 
-def reusable_rows(earlier: EarlierScores, into: Path) -> Path | None:
+def reusable_rows(earlier: ScoreState, into: Path) -> Path | None:
     """The rows of earlier scores files not kept whole (their part changed: last night's
     open journeys, a day rewritten for its split) but scored by the same model, as of no
-    later (`EarlierScores.others`), that were not open then: a journey among them that is still
+    later (`ScoreState.others`), that were not open then: a journey among them that is still
     the same and still not open need not be scored again (`reused_rows`)."""
     if not earlier.others:
         return None

@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from journeys import metrics as M
 from journeys import plots, tracking
 from journeys.baselines import BaselineSettings
-from journeys.config import redact_uri
+from journeys.config import parse_duration, redact_uri
 from journeys.datasets import (
     SPLITS,
     check_trainable,
@@ -108,15 +108,25 @@ class TrainResult:
     experiment_id: str
     metrics: dict[str, float]
     model_uri: str
-    model_version: int | None
-    champion_version: int | None
-    promoted: bool
+    registration: Registration
     checkpoint: str
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
     model_kind: str = TRANSFORMER  # the candidate the registered version serves
     # journey_id, label, probability (uncalibrated) on the test split, from the in-memory
     # transformer
     test_predictions: pl.DataFrame | None = None
+
+    @property
+    def model_version(self) -> int:
+        return self.registration.version
+
+    @property
+    def champion_version(self) -> int | None:
+        return self.registration.champion_version
+
+    @property
+    def promoted(self) -> bool:
+        return self.registration.promoted
 
 
 def train_command(
@@ -127,32 +137,21 @@ def train_command(
     `sizes` are `check_trainable`'s split sizes when the caller checked already.
     """
     config, sizes = trainable(config, sizes)
-    # Per-file progress bars for a handful of small artifacts are noise in the log.
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    root = Path(config.paths.checkpoints)
+    root, model_name = Path(config.paths.checkpoints), config.mlflow.registered_model
     if global_rank() != 0:  # other DDP ranks fit, and nothing else
         return fit_on_other_rank(config, sizes, root, resume)
-
     # 1. set up
-    uri, model_name = tracking.tracking_uri(config), config.mlflow.registered_model
+    uri = tracking.tracking_uri(config)
     tracking.check_tracking_uri(uri)
     resumed = resumable_run(root, uri) if resume else None
     with transformer_run(uri, config.mlflow.experiment, resumed) as run:
         checkpoint_dir = set_up(run, config, resumed is not None)
-        # 2. fit (Lightning's MLflow logger pins the process-wide URI: for the fit only)
-        with resume_hint(run.run_id), tracking.use_tracking_uri(uri):
-            fitted = fit(config, sizes, run.run_id, checkpoint_dir, resume)
-        best = load_best(fitted, checkpoint_dir)
-        # The labelled journeys, read once for what follows (the baselines, the choice).
+        # 2. fit
+        fitted, best = fit_best(config, sizes, run.run_id, checkpoint_dir, resume, uri)
         journeys = training_journeys(config.paths.journeys, config.train.window_delta).collect()
-        max_gap = config.journey.max_gap_delta
-        print(f"evaluating {best} on val and test, logging the model")
         with tempfile.TemporaryDirectory(prefix="journeys-eval-") as tmp:  # plots, until logged
-            # 3. evaluate
+            # 3. evaluate; 4. the other candidates, on the same journeys
             evaluation = evaluate(fitted, Path(tmp))
-            rules = JourneyRules.from_config(config)  # what a journey is, kept with the model
-            trained = transformer_model(fitted, evaluation, rules, journeys, max_gap)
-            # 4. the other candidates (the baselines, the stack), on the same journeys
             splits = in_data_module_order(journeys, fitted)
             baselines = run_baselines_beside(run, config, splits)
             booster = BaselineSettings.from_config(config)  # the stack's, if no hgb baseline
@@ -161,13 +160,12 @@ def train_command(
             )
             # 5. choose among them on val (never on test), log and register
             decision = choose(config.promotion, model_name, uri, candidates, splits["val"])
+            rules = JourneyRules.from_config(config)  # what a journey is, kept with the model
             trained = served_model(
-                trained, candidates, decision, journeys, splits["val"], max_gap,
+                fitted, evaluation, rules, candidates, decision, journeys, splits["val"],
                 config.paths.journeys,
             )  # fmt: skip
-            metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
-            metrics |= candidates.metrics(decision.kind)
-            metrics |= {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
+            metrics = run_metrics(fitted, sizes, evaluation, candidates, decision)
             registration, model_uri = log_and_register(
                 run, model_name, trained, evaluation, metrics, best, decision
             )
@@ -175,19 +173,12 @@ def train_command(
         # 6. every model side by side on test: reported, never chosen on
         print_comparison(candidates.comparison(decision.kind), sizes["test"])
         flag_baselines_ahead(run, evaluation.metrics, baselines)
+    test = predictions(fitted.datamodule.splits["test"], evaluation.test_logits)
     return TrainResult(
-        run_id=run.run_id,
-        experiment_id=run.experiment_id,
-        metrics=metrics,
-        model_uri=model_uri,
-        model_version=registration.version,
-        champion_version=registration.champion_version,
-        promoted=registration.promoted,
-        checkpoint=best,
-        baselines=baselines,
-        model_kind=decision.kind,
-        test_predictions=predictions(fitted.datamodule.splits["test"], evaluation.test_logits),
-    )
+        run_id=run.run_id, experiment_id=run.experiment_id, metrics=metrics,
+        model_uri=model_uri, registration=registration, checkpoint=best,
+        baselines=baselines, model_kind=decision.kind, test_predictions=test,
+    )  # fmt: skip
 
 
 def predictions(split: EncodedJourneys, logits: np.ndarray) -> pl.DataFrame:
@@ -261,6 +252,8 @@ def set_up(run: TrackedRun, config: Config, resumed: bool) -> Path:
 
     Takes the whole `Config`: all of it is logged as the run's params.
     """
+    # Per-file progress bars for a handful of small artifacts are noise in the log.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     root = Path(config.paths.checkpoints)
     tracking.log_config(run, config)
     if resumed:
@@ -395,6 +388,22 @@ def load_best(fitted: Fitted, checkpoint_dir: Path) -> str:
     fitted.module.load_state_dict(state["state_dict"])
     fitted.datamodule.setup("test")
     return best
+
+
+def fit_best(
+    config: Config,
+    sizes: dict[str, dict[str, int]],
+    run_id: str,
+    checkpoint_dir: Path,
+    resume: bool,
+    uri: str,
+) -> tuple[Fitted, str]:
+    """Fit on rank 0 (`fit`, which takes the whole `Config`), then load the best checkpoint;
+    return the fit and that checkpoint's path. Lightning's MLflow logger pins the
+    process-wide tracking URI: to `uri`, for the fit only."""
+    with resume_hint(run_id), tracking.use_tracking_uri(uri):
+        fitted = fit(config, sizes, run_id, checkpoint_dir, resume)
+    return fitted, load_best(fitted, checkpoint_dir)
 
 
 def describe_schedule(settings: Train, schedule: StepSchedule) -> None:
@@ -553,16 +562,20 @@ def fit_on_other_rank(
 
 
 def served_model(
-    trained: TrainedModel,
+    fitted: Fitted,
+    evaluation: Evaluation,
+    rules: JourneyRules,
     candidates: Candidates,
     decision: Decision,
     journeys: pl.DataFrame,
     val: pl.DataFrame,
-    max_gap: timedelta,
     journeys_folder: str,
 ) -> TrainedModel:
-    """The model the run registers: the transformer serving the chosen candidate's
-    probability, its open-journey survival recalibrated, and its monitoring reference."""
+    """The model the run registers: the transformer (`transformer_model`) serving the chosen
+    candidate's probability, its open-journey survival recalibrated, and its monitoring
+    reference (`val`'s journeys and the ingest report in `journeys_folder`)."""
+    max_gap = parse_duration(rules.max_gap)
+    trained = transformer_model(fitted, evaluation, rules, journeys, max_gap)
     trained = candidates.serving(trained, decision.kind)
     trained.quiet_survival = in_flight_recalibration(trained, journeys, max_gap)
     served_val = candidates.served_val[decision.kind]
@@ -587,6 +600,20 @@ def monitoring_reference(
     encoder = trained.encoder
     numeric = encoder.numeric_features
     return build_reference(val, served, encoder.vocabs, numeric, report, val_roc_auc)
+
+
+def run_metrics(
+    fitted: Fitted,
+    sizes: dict[str, dict[str, int]],
+    evaluation: Evaluation,
+    candidates: Candidates,
+    decision: Decision,
+) -> dict[str, float]:
+    """Every metric the run logs: the transformer's, the run's facts, the served and the
+    stacked candidates' on test and each candidate's honest val ROC AUC."""
+    metrics = {**evaluation.metrics, **run_facts(fitted, sizes)}
+    metrics |= candidates.metrics(decision.kind)
+    return metrics | {f"val_roc_auc_{k}": v for k, v in decision.val_roc_auc.items()}
 
 
 def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, float]:
