@@ -635,6 +635,9 @@ class Monitor(Section):
     flood_factor: Annotated[float, Field(gt=1)] = 5.0
     recent_nights: Annotated[int, Field(ge=1)] = 14  # the quarantine's baseline
     min_cohort_conversions: Annotated[int, Field(ge=1)] = 10  # a cohort's realised figures
+    # A matured cohort's realised ROC AUC this far below what its probabilities promised
+    # (CBPE on the same journeys) alerts, when significant.
+    min_auc_drop: Annotated[float, Field(ge=0, le=1)] = 0.05
     # A cohort's figures stop updating this long after its night (outcomes of journeys
     # still open by then are left unknown), so a night's cost does not grow with history.
     cohort_horizon: Duration = "28d"

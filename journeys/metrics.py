@@ -124,16 +124,22 @@ def roc_auc_interval(
     """`confidence` (95%) interval of ROC AUC by DeLong et al. (1988), in the fast form of
     Sun and Xu (2014): the AUC's variance from each positive's and each negative's
     placement values, O(n log n) and no resampling. Clipped to [0, 1]."""
+    auc, se = roc_auc_with_se(labels, scores)
+    half = _z(confidence) * se
+    return max(0.0, auc - half), min(1.0, auc + half)
+
+
+def roc_auc_with_se(labels: np.ndarray, scores: np.ndarray) -> tuple[float, float]:
+    """ROC AUC and its standard error by DeLong (the variance `roc_auc_interval` uses);
+    NaN for both when a class is missing."""
     labels = np.asarray(labels).astype(bool)
     scores = np.asarray(scores, dtype=np.float64)
     m, n = int(labels.sum()), int((~labels).sum())
     if m == 0 or n == 0:
         return math.nan, math.nan
     v10, v01 = _placements(labels, scores)
-    auc = float(v10.mean())
     variance = (v10.var(ddof=1) if m > 1 else 0.0) / m + (v01.var(ddof=1) if n > 1 else 0.0) / n
-    half = _z(confidence) * math.sqrt(max(variance, 0.0))
-    return max(0.0, auc - half), min(1.0, auc + half)
+    return float(v10.mean()), math.sqrt(max(variance, 0.0))
 
 
 def paired_roc_auc_difference(

@@ -27,6 +27,7 @@ import base64
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -177,10 +178,17 @@ class Night:
     open_estimated_roc_auc: float = math.nan
 
 
-def checks(night: Night, reference: Reference, baseline: dict[str, float], settings: Monitor) -> list[Check]:  # fmt: skip
-    """Every check of the night, each marked `alert` when significant (Benjamini-Hochberg
-    over the night's tests) and over its floor (rules alert on their floor alone)."""
-    found: list[Check] = []
+def checks(
+    night: Night,
+    reference: Reference,
+    baseline: dict[str, float],
+    settings: Monitor,
+    cohorts: Sequence[Check] = (),
+) -> list[Check]:
+    """Every check of the night (the `cohorts`' among them), each marked `alert` when
+    significant (Benjamini-Hochberg over the night's tests) and over its floor (rules
+    alert on their floor alone)."""
+    found: list[Check] = list(cohorts)
     ref = reference.profile
     for column, counts in night.profile.categories.items():
         before = ref.categories.get(column)
@@ -313,22 +321,46 @@ def expected_roc_auc(probabilities: np.ndarray) -> float:
 
 
 def cohort_figures(
-    snapshot: pl.DataFrame, outcomes: pl.DataFrame, matured: bool, settings: Monitor
+    snapshot: pl.DataFrame,
+    outcomes: pl.DataFrame,
+    now: datetime,
+    matured: bool,
+    reference: Reference,
+    settings: Monitor,
 ) -> dict[str, Any]:
-    """A night's open journeys against what they did since: realised figures once the
-    cohort has matured and holds enough conversions, beside the estimate without labels."""
+    """A night's open journeys against what they did since `now`: conversions so far
+    against those expected by now (each journey's probability times the share of
+    conversions that arrive within its elapsed time, `Reference.conversion_share`);
+    realised figures once the cohort has matured and holds enough conversions, beside the
+    estimate without labels."""
     from sklearn.metrics import roc_auc_score
 
-    from journeys.metrics import expected_calibration_error, roc_auc_interval
+    from journeys.metrics import (
+        expected_calibration_error,
+        roc_auc_interval,
+        roc_auc_with_se,
+    )
 
     joined = snapshot.join(outcomes, on="journey_id", how="left")
     known = joined.filter(pl.col("outcome").is_not_null())
     labels = known.get_column("outcome").to_numpy().astype(np.int64)
     probs = known.get_column("conversion_probability").to_numpy()
+    elapsed = (now - joined.get_column("as_of")).dt.total_seconds().to_numpy() / 3600.0
+    quiet = (
+        joined.get_column("quiet_seconds").fill_null(0.0).to_numpy() / 3600.0
+        if "quiet_seconds" in joined.columns  # snapshots kept before it was
+        else np.zeros(joined.height)
+    )
+    so_far = joined.get_column("conversion_probability").to_numpy() * reference.conversion_share(
+        quiet, elapsed
+    )
     figures: dict[str, Any] = {
         "journeys": snapshot.height,
         "known": known.height,  # the rest are still open (a journey has no longest span)
         "converted": int(labels.sum()),
+        # what the probabilities promise by now, with its interval (NaN: no delay curve)
+        "expected_so_far": float(so_far.sum()),
+        "expected_so_far_interval": _poisson_binomial_interval(so_far),
         "expected_conversions": float(probs.sum()),  # among the known
         # CBPE on the journeys whose outcome is known: what the realised figure is beside
         "estimated_roc_auc": expected_roc_auc(probs),
@@ -339,6 +371,7 @@ def cohort_figures(
         figures |= {
             "roc_auc": float(roc_auc_score(labels, probs)),
             "roc_auc_ci": [low, high],
+            "roc_auc_se": roc_auc_with_se(labels, probs)[1],
             "ece": expected_calibration_error(labels, probs),
             "conversions_interval": _poisson_binomial_interval(probs),
         }
@@ -424,8 +457,10 @@ def monitor(config: Config, trained: TrainedModel) -> MonitorReport:
     seen = set(earlier.get_column("sources").tail(1).explode().drop_nulls()) if earlier.height else None  # fmt: skip
     night, opened = measure_night(config, trained, report, start, end, seen)
     baseline = quarantine_baseline(earlier.tail(settings.recent_nights))
-    found = checks(night, reference, baseline, settings)
-    cohorts = cohort_history(root, journeys_folder, end, config)
+    earlier_cohorts = last_report(root, night.night).get("cohorts", {})
+    cohorts = cohort_history(root, journeys_folder, end, earlier_cohorts, reference, config)
+    promise = cohort_checks(cohorts, earlier_cohorts, night.night, settings)
+    found = checks(night, reference, baseline, settings, promise)
     result = MonitorReport(
         night.night, start, end, model_name(trained), found, cohorts,
         {
@@ -501,7 +536,9 @@ def measure_night(
             ).select(
                 "journey_id", "conversion_probability", pl.col(length).alias("n_events_total")
             ),
-            scores.filter(pl.col("open")).select("journey_id", "conversion_probability", "as_of"),
+            scores.filter(pl.col("open")).select(
+                "journey_id", "conversion_probability", "as_of", "quiet_seconds"
+            ),
         ]
     )
     probabilities = closed.get_column("conversion_probability").to_numpy()
@@ -570,13 +607,20 @@ def quarantine_baseline(recent: pl.DataFrame) -> dict[str, float]:
     return {reason: n / rows for reason, n in sums.iter_rows()}
 
 
-def cohort_history(root: Path, journeys_folder: Path, now: datetime, config: Config) -> dict[str, dict[str, Any]]:  # fmt: skip
+def cohort_history(
+    root: Path,
+    journeys_folder: Path,
+    now: datetime,
+    earlier: dict[str, dict[str, Any]],
+    reference: Reference,
+    config: Config,
+) -> dict[str, dict[str, Any]]:
     """Each earlier night's open journeys against their outcomes so far, looked up in one
-    query. A cohort the last report found final (every outcome known, or older than
-    `monitor.cohort_horizon`) keeps its figures, so a night's cost stays flat."""
+    query. A cohort the last report (its `earlier` cohorts) found final (every outcome
+    known, or older than `monitor.cohort_horizon`) keeps its figures, so a night's cost
+    stays flat."""
     maturity = config.journey.max_gap_delta + config.ingest.late_allowed_delta
     horizon = now - config.monitor.cohort_horizon_delta
-    earlier = last_report(root, now.date().isoformat()).get("cohorts", {})
     cohorts, pending = {}, {}
     for path in sorted(root.glob(f"*/{OPEN_SNAPSHOT}")):
         name = path.parent.name
@@ -596,8 +640,52 @@ def cohort_history(root: Path, journeys_folder: Path, now: datetime, config: Con
     found = outcomes(journeys_folder, ids.unique(), since - maturity)
     for name, snapshot in pending.items():
         matured = now - snapshot.get_column("as_of").min() >= maturity
-        cohorts[name] = cohort_figures(snapshot, found, matured, config.monitor)
+        cohorts[name] = cohort_figures(snapshot, found, now, matured, reference, config.monitor)
     return dict(sorted(cohorts.items()))
+
+
+def cohort_checks(
+    cohorts: dict[str, dict[str, Any]],
+    earlier: dict[str, dict[str, Any]],
+    night: str,
+    settings: Monitor,
+) -> list[Check]:
+    """The model's promise, checked as labels arrive: last night's open journeys' conversions
+    since, against what their probabilities and the delay curve expect by now (one cohort,
+    so no conversion is counted twice); and each cohort that matured tonight, its realised
+    ROC AUC against the estimate it had without labels (CBPE)."""
+    from scipy.stats import poisson
+
+    found = []
+    before = [name for name in cohorts if name < night]
+    latest = cohorts[before[-1]] if before else None
+    expected = latest.get("expected_so_far") if latest else None
+    if latest and expected is not None and math.isfinite(expected) and expected > 0:
+        seen = latest["converted"]
+        ratio = seen / expected
+        p = 2 * min(poisson.cdf(seen, expected), poisson.sf(seen - 1, expected))
+        found.append(Check(
+            "cohort_conversions", before[-1],
+            f"{seen:,} of the {latest['journeys']:,} journeys open on {before[-1]} converted "
+            f"since; their probabilities expect {expected:,.1f} by now ({ratio:.2f}x)",
+            either_way(ratio), settings.conversion_ratio, min(1.0, float(p)),
+            either_way(ratio) >= settings.conversion_ratio,
+        ))  # fmt: skip
+    for name, cohort in cohorts.items():
+        if "roc_auc" not in cohort or "roc_auc" in earlier.get(name, {}):
+            continue  # not matured with enough conversions, or judged on an earlier night
+        realised, estimate = cohort["roc_auc"], cohort["estimated_roc_auc"]
+        low, high = cohort["roc_auc_ci"]
+        se = cohort.get("roc_auc_se") or 0.0
+        drop = estimate - realised
+        p = 0.5 * math.erfc(drop / se / math.sqrt(2)) if se > 0 else 1.0
+        found.append(Check(
+            "cohort_roc_auc", name,
+            f"the journeys open on {name}, now matured: ROC AUC {realised:.3f} "
+            f"[{low:.3f}, {high:.3f}] against {estimate:.3f} their probabilities promised",
+            drop, settings.min_auc_drop, p, drop >= settings.min_auc_drop,
+        ))  # fmt: skip
+    return found
 
 
 def last_report(root: Path, before: str) -> dict[str, Any]:
@@ -699,7 +787,8 @@ def page(result: MonitorReport, night: Night, reference: Reference) -> str:
         for c in result.checks
     ]
     cohorts = [
-        [name, c["journeys"], c["known"], c["converted"], c["expected_conversions"],
+        [name, c["journeys"], c["known"], c["converted"], c.get("expected_so_far"),
+         _interval(c.get("expected_so_far_interval")), c["expected_conversions"],
          c.get("roc_auc"), c["estimated_roc_auc"], c.get("ece"), "yes" if c["matured"] else "no"]
         for name, c in sorted(result.cohorts.items())
     ]  # fmt: skip
@@ -728,7 +817,9 @@ model {escape(result.model)}.</p>
                 "journeys",
                 "known",
                 "converted",
-                "expected",
+                "expected by now",
+                "99% interval",
+                "expected of the known",
                 "ROC AUC",
                 "estimated ROC AUC",
                 "ECE",
@@ -739,6 +830,12 @@ model {escape(result.model)}.</p>
 <h2>Plots</h2>{images}
 </body></html>
 """
+
+
+def _interval(bounds: list[float | None] | None) -> str:
+    if not bounds or any(b is None or not math.isfinite(b) for b in bounds):
+        return ""
+    return f"[{bounds[0]:.1f}, {bounds[1]:.1f}]"
 
 
 def _cell(value: Any) -> str:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 REFERENCE_FILE = "reference.json"  # saved with the model
 QUANTILES = np.linspace(0.0, 1.0, 51)  # a sketch keeps the distribution at these levels
 TOP_UNKNOWN = 5  # the commonest values the model lacks, kept to name them
+# The conversion delay's levels: every 5% to 90%, then the tail to 1 in 10,000 and the max.
+DELAY_LEVELS = np.r_[np.linspace(0.0, 0.9, 19), 1.0 - np.geomspace(0.05, 1e-4, 16), 1.0]
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,42 @@ def profile(
 
 
 @dataclass(frozen=True)
+class DelayCurve:
+    """The distribution of the delay D from an event to its journey's conversion, in hours,
+    kept at `DELAY_LEVELS` (dense in the tail, where long-quiet journeys sit)."""
+
+    levels: tuple[float, ...] = ()
+    hours: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, hours: np.ndarray) -> DelayCurve:
+        hours = np.asarray(hours, dtype=np.float64)
+        hours = hours[np.isfinite(hours) & (hours >= 0)]
+        if hours.size == 0:
+            return cls()
+        return cls(tuple(DELAY_LEVELS.tolist()), tuple(np.quantile(hours, DELAY_LEVELS).tolist()))
+
+    def share(self, quiet_hours: np.ndarray, elapsed_hours: np.ndarray) -> np.ndarray:
+        """Of the journeys that will convert, quiet `quiet_hours` since their last event,
+        the share whose conversion arrives within `elapsed_hours` more: P(D <= q + t | D > q).
+        NaN without a curve."""
+        q = np.asarray(quiet_hours, dtype=np.float64)
+        if not self.hours:
+            return np.full(q.shape, math.nan)
+        # D's distribution function, interpolated on log hours (delays span minutes to
+        # weeks); past the longest delay seen every conversion has arrived.
+        grid = np.log1p(np.maximum.accumulate(np.asarray(self.hours)))
+
+        def cdf(hours: np.ndarray) -> np.ndarray:
+            return np.interp(np.log1p(np.maximum(hours, 0.0)), grid, self.levels)
+
+        before = cdf(q)
+        arrived = cdf(q + np.asarray(elapsed_hours, dtype=np.float64)) - before
+        waiting = 1.0 - before
+        return np.where(waiting > 0, arrived / np.where(waiting > 0, waiting, 1.0), 1.0)
+
+
+@dataclass(frozen=True)
 class Reference:
     """What the champion was judged on, kept with it (`reference.json`)."""
 
@@ -159,13 +197,24 @@ class Reference:
     conversions_per_row: float | None = None  # conversions per valid row at training
     quarantined_share: dict[str, float] = field(default_factory=dict)  # reason -> of rows
     roc_auc: float | None = None  # the served model's val ROC AUC
+    # How long conversions take to arrive (empty in references saved before it was kept).
+    conversion_delay: DelayCurve = field(default_factory=lambda: DelayCurve())
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "profile": self.profile.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Reference:
-        return cls(**{**data, "profile": Profile.from_dict(data["profile"])})
+        delay = data.get("conversion_delay")
+        return cls(**{
+            **data,
+            "profile": Profile.from_dict(data["profile"]),
+            "conversion_delay": DelayCurve(**delay) if delay else DelayCurve(),
+        })  # fmt: skip
+
+    def conversion_share(self, quiet_hours: np.ndarray, elapsed_hours: np.ndarray) -> np.ndarray:
+        """`DelayCurve.share` of the reference's delays; NaN where none were kept."""
+        return self.conversion_delay.share(quiet_hours, elapsed_hours)
 
     def save(self, folder: Path) -> Path:
         path = folder / REFERENCE_FILE
@@ -202,7 +251,20 @@ def build_reference(
         per_row,
         shares,
         roc_auc,
+        DelayCurve.of(conversion_delays(val)),
     )
+
+
+def conversion_delays(journeys: pl.DataFrame) -> np.ndarray:
+    """Hours from each event of the converting `journeys` to their conversion (`end_time`
+    is the conversion's moment): the delay curve of the conversions still to come."""
+    delays = (
+        journeys.filter(pl.col("label") == 1)
+        .select("end_time", "event_time")
+        .explode("event_time")
+        .select((pl.col("end_time") - pl.col("event_time")).dt.total_seconds() / 3600.0)
+    )
+    return delays.to_series().to_numpy()
 
 
 def finite(value: Any) -> Any:

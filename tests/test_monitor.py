@@ -15,7 +15,7 @@ import pytest
 from test_flows import isolated, tiny_config
 
 from journeys.cli import main
-from journeys.config import load_config
+from journeys.config import Monitor, load_config
 from journeys.monitor import (
     MONITOR_DIR,
     OPEN_SNAPSHOT,
@@ -23,11 +23,12 @@ from journeys.monitor import (
     REPORT_JSON,
     benjamini_hochberg,
     checks,
+    cohort_checks,
     expected_roc_auc,
     js_distance,
     read_history,
 )
-from journeys.reference import Profile, Reference, Sketch
+from journeys.reference import DelayCurve, Profile, Reference, Sketch
 
 TRAIN_DAYS, DAYS = 30, 41
 # Night (day number) -> the fault planted in that day's file, and the check that must name it.
@@ -284,3 +285,63 @@ def test_monitor_without_an_ingest_exits_2_with_one_line(tmp_path: Path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "journeys monitor: error:" in err[0]
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_conversion_share_conditions_on_the_quiet_time() -> None:
+    """Exponential delays forget how long a journey has waited: the share arriving within
+    t is the same whatever the quiet time q, 1 - exp(-t / mean); none within 0, all in time."""
+    delays = np.random.default_rng(0).exponential(10.0, 200_000)
+    reference = Reference(Profile(), conversion_delay=DelayCurve.of(delays))
+    quiet = np.array([0.0, 5.0, 20.0])
+    for hours in (3.0, 10.0, 25.0):
+        share = reference.conversion_share(quiet, np.full(3, hours))
+        assert share == pytest.approx(1 - np.exp(-hours / 10.0), abs=0.03), hours
+    assert reference.conversion_share(quiet, np.zeros(3)) == pytest.approx(0.0, abs=1e-9)
+    assert reference.conversion_share(quiet, np.full(3, 1e4)) == pytest.approx(1.0)
+    assert np.isnan(Reference(Profile()).conversion_share(quiet, quiet)).all()  # no curve
+
+
+@pytest.mark.slow
+def test_maturing_cohorts_meet_their_delay_adjusted_expectation(nights: dict[int, dict]) -> None:
+    """Each night, last night's open journeys: conversions since against their probabilities
+    times the share of conversions due by now, pooled over the nights conversions were
+    logged: within the 99% Poisson interval. Among the journeys already known the plain sum
+    of probabilities would expect almost nothing (they are the few that converted fast)."""
+    from scipy.stats import poisson
+
+    observed = expected = 0.0
+    for number in range(TRAIN_DAYS + 2, DAYS):
+        if FAULTS.get(number, ("",))[0] == "no_conversions":
+            continue
+        check = next(
+            c for c in nights[number]["report"]["checks"] if c["check"] == "cohort_conversions"
+        )
+        cohort = nights[number]["report"]["cohorts"][check["column"]]
+        assert not cohort["matured"] and check["column"] < nights[number]["report"]["night"]
+        observed += cohort["converted"]
+        expected += cohort["expected_so_far"]
+        assert cohort["expected_so_far"] > 10 * cohort["expected_conversions"], cohort
+    low, high = poisson.interval(0.99, expected)
+    assert expected > 20 and low <= observed <= high, (observed, expected)
+
+
+def test_cohort_checks_alert_on_missing_conversions_and_a_broken_promise() -> None:
+    settings = Monitor()
+    quiet = {"2026-02-01": {"journeys": 5000, "converted": 38, "expected_so_far": 40.0}}
+    assert not any(c.over_floor for c in cohort_checks(quiet, {}, "2026-02-02", settings))
+    gone = {"2026-02-01": {"journeys": 5000, "converted": 0, "expected_so_far": 40.0}}
+    found = cohort_checks(gone, {}, "2026-02-02", settings)
+    assert [c.check for c in found] == ["cohort_conversions"] and found[0].over_floor
+    assert found[0].p_value < 1e-10
+    matured = {
+        "journeys": 5000, "converted": 200, "expected_so_far": 190.0, "roc_auc": 0.62,
+        "roc_auc_ci": [0.58, 0.66], "roc_auc_se": 0.02, "estimated_roc_auc": 0.80,
+    }  # fmt: skip
+    found = {c.check: c for c in cohort_checks({"2026-01-20": matured}, {}, "2026-02-02", settings)}
+    assert found["cohort_roc_auc"].over_floor and found["cohort_roc_auc"].p_value < 1e-10
+    # The same drop on a cohort too small to tell is not significant; judged once only.
+    small = {**matured, "roc_auc_se": 0.2}
+    found = {c.check: c for c in cohort_checks({"2026-01-20": small}, {}, "2026-02-02", settings)}
+    assert found["cohort_roc_auc"].p_value > 0.1
+    judged = cohort_checks({"2026-01-20": matured}, {"2026-01-20": matured}, "2026-02-02", settings)
+    assert "cohort_roc_auc" not in {c.check for c in judged}
