@@ -124,7 +124,11 @@ def roc_auc_interval(
     """`confidence` (95%) interval of ROC AUC by DeLong et al. (1988), in the fast form of
     Sun and Xu (2014): the AUC's variance from each positive's and each negative's
     placement values, O(n log n) and no resampling. Clipped to [0, 1]."""
-    auc, se = roc_auc_with_se(labels, scores)
+    return auc_interval(*roc_auc_with_se(labels, scores), confidence)
+
+
+def auc_interval(auc: float, se: float, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The normal `confidence` interval of an AUC from its standard error, clipped to [0, 1]."""
     half = _z(confidence) * se
     return max(0.0, auc - half), min(1.0, auc + half)
 

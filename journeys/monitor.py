@@ -67,6 +67,7 @@ MIN_EXPECTED = 5.0  # categories expected fewer times than this are pooled for c
 COHORT_INTERVAL = 0.99  # the interval of a cohort's expected conversions
 FIRST_NIGHT = timedelta(days=1)  # a first night, with no history, is the day before the end
 PLOTTED_CATEGORIES = 12  # the commonest values of a column in its plot
+PLOT_SHARE_OF_FLOOR = 0.5  # a column's mix is plotted once it moved this share of its floor
 
 
 # ----------------------------------------------------------------------------- tests
@@ -320,71 +321,104 @@ def expected_roc_auc(probabilities: np.ndarray) -> float:
     return float(np.sum(p * negatives_below) / pairs) if pairs > 0 else math.nan
 
 
+# A cohort's figures from its journeys whose outcome is known: they stand while no new
+# outcome arrives (the known journeys only grow, and a known outcome is final).
+LABELLED_FIGURES = (
+    "estimated_roc_auc", "roc_auc", "roc_auc_ci", "roc_auc_se", "ece", "conversions_interval",
+)  # fmt: skip
+
+
 def cohort_figures(
-    snapshot: pl.DataFrame,
+    snapshots: pl.DataFrame,
     outcomes: pl.DataFrame,
     now: datetime,
-    matured: bool,
+    maturity: timedelta,
+    earlier: dict[str, dict[str, Any]],
     reference: Reference,
     settings: Monitor,
-) -> dict[str, Any]:
-    """A night's open journeys against what they did since `now`: conversions so far
-    against those expected by now (each journey's probability times the share of
-    conversions that arrive within its elapsed time, `Reference.conversion_share`);
-    realised figures once the cohort has matured and holds enough conversions, beside the
-    estimate without labels."""
-    from sklearn.metrics import roc_auc_score
-
-    from journeys.metrics import (
-        expected_calibration_error,
-        roc_auc_interval,
-        roc_auc_with_se,
+) -> dict[str, dict[str, Any]]:
+    """Earlier nights' open journeys (`snapshots`, one `cohort` per night) against what they
+    did since, by cohort: conversions so far against those expected by now (each journey's
+    probability times the share of conversions that arrive within its elapsed time,
+    `Reference.conversion_share`); realised figures once a cohort has matured (`maturity`
+    after its night) and holds enough conversions, beside the estimate without labels.
+    A cohort with no new outcome since the `earlier` report keeps its labelled figures."""
+    joined = snapshots.join(outcomes, on="journey_id", how="left")
+    elapsed = (now - joined.get_column("as_of")).dt.total_seconds().to_numpy() / 3600.0
+    quiet = joined.get_column("quiet_seconds").fill_null(0.0).to_numpy() / 3600.0
+    probability = joined.get_column("conversion_probability").to_numpy()
+    joined = joined.with_columns(
+        so_far=pl.Series(probability * reference.conversion_share(quiet, elapsed))
     )
+    is_known = pl.col("outcome").is_not_null()
+    sums = joined.group_by("cohort").agg(
+        journeys=pl.len(),
+        known=is_known.sum(),  # the rest are still open (a journey has no longest span)
+        converted=(pl.col("outcome") == 1).sum(),
+        # what the probabilities promise by now (NaN: no delay curve), and its variance
+        expected_so_far=pl.col("so_far").sum(),
+        so_far_variance=(pl.col("so_far") * (1 - pl.col("so_far"))).sum(),
+        expected_conversions=pl.col("conversion_probability").filter(is_known).sum(),
+        first=pl.col("as_of").min(),
+    )
+    labelled = joined.filter(is_known).partition_by("cohort", as_dict=True)
+    cohorts = {}
+    for row in sums.iter_rows(named=True):  # one row a cohort
+        name, kept = row["cohort"], earlier.get(row["cohort"], {})
+        matured = now - row["first"] >= maturity
+        figures: dict[str, Any] = {
+            "journeys": row["journeys"],
+            "known": row["known"],
+            "converted": row["converted"],
+            "expected_so_far": row["expected_so_far"],
+            "expected_so_far_interval": _normal_interval(
+                row["expected_so_far"], row["so_far_variance"]
+            ),
+            "expected_conversions": row["expected_conversions"],  # among the known
+            "matured": matured,
+        }
+        if kept.get("known") == row["known"] and kept.get("matured") == matured:
+            figures |= {key: kept[key] for key in LABELLED_FIGURES if key in kept}
+        else:
+            figures |= labelled_figures(labelled.get((name,)), matured, settings)
+        cohorts[name] = figures
+    return cohorts
 
-    joined = snapshot.join(outcomes, on="journey_id", how="left")
-    known = joined.filter(pl.col("outcome").is_not_null())
+
+def labelled_figures(known: pl.DataFrame | None, matured: bool, settings: Monitor) -> dict[str, Any]:  # fmt: skip
+    """A cohort's figures from its journeys whose outcome is `known`: CBPE's estimate, and
+    once matured with `min_cohort_conversions`, the realised ROC AUC (DeLong interval and
+    standard error), the ECE and the interval of the conversions expected."""
+    from journeys.metrics import auc_interval, expected_calibration_error, roc_auc_with_se
+
+    if known is None or known.height == 0:
+        return {"estimated_roc_auc": math.nan}
     labels = known.get_column("outcome").to_numpy().astype(np.int64)
     probs = known.get_column("conversion_probability").to_numpy()
-    elapsed = (now - joined.get_column("as_of")).dt.total_seconds().to_numpy() / 3600.0
-    quiet = (
-        joined.get_column("quiet_seconds").fill_null(0.0).to_numpy() / 3600.0
-        if "quiet_seconds" in joined.columns  # snapshots kept before it was
-        else np.zeros(joined.height)
-    )
-    so_far = joined.get_column("conversion_probability").to_numpy() * reference.conversion_share(
-        quiet, elapsed
-    )
-    figures: dict[str, Any] = {
-        "journeys": snapshot.height,
-        "known": known.height,  # the rest are still open (a journey has no longest span)
-        "converted": int(labels.sum()),
-        # what the probabilities promise by now, with its interval (NaN: no delay curve)
-        "expected_so_far": float(so_far.sum()),
-        "expected_so_far_interval": _poisson_binomial_interval(so_far),
-        "expected_conversions": float(probs.sum()),  # among the known
-        # CBPE on the journeys whose outcome is known: what the realised figure is beside
-        "estimated_roc_auc": expected_roc_auc(probs),
-        "matured": matured,
-    }
+    # CBPE on the journeys whose outcome is known: what the realised figure is beside
+    figures: dict[str, Any] = {"estimated_roc_auc": expected_roc_auc(probs)}
     if matured and settings.min_cohort_conversions <= labels.sum() < labels.size:
-        low, high = roc_auc_interval(labels, probs)
+        auc, se = roc_auc_with_se(labels, probs)
         figures |= {
-            "roc_auc": float(roc_auc_score(labels, probs)),
-            "roc_auc_ci": [low, high],
-            "roc_auc_se": roc_auc_with_se(labels, probs)[1],
+            "roc_auc": auc,
+            "roc_auc_ci": list(auc_interval(auc, se)),
+            "roc_auc_se": se,
             "ece": expected_calibration_error(labels, probs),
-            "conversions_interval": _poisson_binomial_interval(probs),
+            "conversions_interval": _normal_interval(
+                float(probs.sum()), float(np.sum(probs * (1 - probs)))
+            ),
         }
     return figures
 
 
-def _poisson_binomial_interval(probs: np.ndarray) -> list[float]:
-    """`COHORT_INTERVAL` interval of the number of conversions if the probabilities are
-    right (normal approximation of the Poisson-binomial)."""
+def _normal_interval(mean: float, variance: float) -> list[float]:
+    """`COHORT_INTERVAL` interval of a number of conversions with this mean and variance
+    (the normal approximation of the Poisson-binomial, each journey converting with its
+    probability)."""
     from statistics import NormalDist
 
     z = NormalDist().inv_cdf(0.5 + COHORT_INTERVAL / 2)
-    mean, sd = float(probs.sum()), float(np.sqrt(np.sum(probs * (1 - probs))))
+    sd = math.sqrt(max(variance, 0.0))
     return [max(0.0, mean - z * sd), mean + z * sd]
 
 
@@ -635,13 +669,28 @@ def cohort_history(
             pending[name] = snapshot
     if not pending:
         return cohorts
-    ids = pl.concat([snapshot.get_column("journey_id") for snapshot in pending.values()])
-    since = min(snapshot.get_column("as_of").min() for snapshot in pending.values())
-    found = outcomes(journeys_folder, ids.unique(), since - maturity)
-    for name, snapshot in pending.items():
-        matured = now - snapshot.get_column("as_of").min() >= maturity
-        cohorts[name] = cohort_figures(snapshot, found, now, matured, reference, config.monitor)
+    snapshots = pl.concat(
+        [
+            snapshot.with_columns(cohort=pl.lit(name), quiet_seconds=quiet_seconds(snapshot))
+            for name, snapshot in pending.items()
+        ],
+        how="diagonal_relaxed",
+    )
+    found = outcomes(
+        journeys_folder,
+        snapshots.get_column("journey_id").unique(),
+        snapshots.get_column("as_of").min() - maturity,
+    )
+    settings = config.monitor
+    cohorts |= cohort_figures(snapshots, found, now, maturity, earlier, reference, settings)
     return dict(sorted(cohorts.items()))
+
+
+def quiet_seconds(snapshot: pl.DataFrame) -> pl.Expr:
+    """A snapshot's quiet times (0 in snapshots kept before they were)."""
+    if "quiet_seconds" in snapshot.columns:
+        return pl.col("quiet_seconds").cast(pl.Float64)
+    return pl.lit(0.0, pl.Float64)
 
 
 def cohort_checks(
@@ -795,7 +844,7 @@ def page(result: MonitorReport, night: Night, reference: Reference) -> str:
     images = "".join(
         f'<figure><img alt="{escape(name)}" src="data:image/png;base64,{data}"/>'
         f"<figcaption>{escape(name)}</figcaption></figure>"
-        for name, data in plots(night, reference).items()
+        for name, data in plots(night, reference, moved_columns(result.checks)).items()
     )
     status = f"{len(result.alerts)} alert(s)" if result.alerts else "no alert"
     return f"""<!doctype html>
@@ -827,7 +876,7 @@ model {escape(result.model)}.</p>
             ],
         )
     }
-<h2>Plots</h2>{images}
+<h2>Plots</h2><p>Each column whose mix moved at least half its floor, and the probabilities.</p>{images}
 </body></html>
 """
 
@@ -844,9 +893,19 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def plots(night: Night, reference: Reference) -> dict[str, str]:
-    """Per categorical column, tonight's shares against the reference's (its commonest
-    values); the probability distributions of closed journeys. Base64 PNGs."""
+def moved_columns(found: list[Check]) -> set[str]:
+    """The categorical columns whose mix moved by at least `PLOT_SHARE_OF_FLOOR` of its
+    floor tonight: the ones worth a plot."""
+    return {
+        c.column for c in found
+        if c.check == "category_mix" and c.column and c.figure >= PLOT_SHARE_OF_FLOOR * c.threshold
+    }  # fmt: skip
+
+
+def plots(night: Night, reference: Reference, columns: set[str]) -> dict[str, str]:
+    """For each categorical column among `columns`, tonight's shares against the
+    reference's (its commonest values); the probability distributions of closed journeys.
+    Base64 PNGs (a plot costs about 0.1 s: a quiet night draws one)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -854,6 +913,8 @@ def plots(night: Night, reference: Reference) -> dict[str, str]:
 
     images = {}
     for column, counts in night.profile.categories.items():
+        if column not in columns:
+            continue
         before = reference.profile.categories.get(column, {})
         keys = sorted(set(counts) | set(before), key=lambda k: -(counts.get(k, 0) + before.get(k, 0)))[:PLOTTED_CATEGORIES]  # fmt: skip
         if not keys:
