@@ -14,6 +14,7 @@ import polars as pl
 import pytest
 from test_flows import isolated, tiny_config
 
+from benchmarks.monitor_compare import plant  # the faults, planted as the benchmark plants them
 from journeys.cli import main
 from journeys.config import Monitor, load_config
 from journeys.monitor import (
@@ -39,35 +40,6 @@ FAULTS = {
     38: ("no_conversions", "conversions", None),
     39: ("no_conversions", "conversions", None),
 }
-
-
-def plant(day: pl.DataFrame, fault: str) -> pl.DataFrame:
-    if fault == "renamed":  # a tracking change: add_to_cart becomes addToCart
-        return day.with_columns(pl.col("event_type").replace("add_to_cart", "addToCart"))
-    if fault == "channel_tripled":  # a campaign: email's share tripled
-        rng = np.random.default_rng(0)
-        moved = pl.Series(rng.random(day.height) < 0.3)
-        return day.with_columns(
-            pl.when(moved).then(pl.lit("email")).otherwise(pl.col("channel")).alias("channel")
-        )
-    if fault == "flood":  # a bot under one user id, an event every 1.7 seconds
-        first = day.get_column("timestamp").str.to_datetime(time_zone="UTC").min()
-        moments = pl.datetime_range(
-            first, first + timedelta(seconds=1.7 * 49_999), timedelta(milliseconds=1700),
-            eager=True,
-        )  # fmt: skip
-        bot = pl.DataFrame({"user_id": ["bot-0"] * moments.len()}).with_columns(
-            timestamp=moments.dt.strftime("%Y-%m-%dT%H:%M:%S%.3fZ"),
-            event_type=pl.lit("page_view"),
-            channel=pl.lit("direct"),
-            device=pl.lit("desktop"),
-            campaign=pl.lit(None, pl.String),
-            price=pl.lit(None, pl.String),
-        )
-        return pl.concat([day, bot.select(day.columns)], how="vertical_relaxed")
-    if fault == "no_conversions":  # the purchase event left the export
-        return day.filter(pl.col("event_type") != "purchase")
-    raise ValueError(fault)
 
 
 @pytest.fixture(scope="module")
