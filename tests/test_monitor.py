@@ -14,7 +14,9 @@ import polars as pl
 import pytest
 from test_flows import isolated, tiny_config
 
-from benchmarks.monitor_compare import plant  # the faults, planted as the benchmark plants them
+# The nights and their faults (night -> fault, the check that must name it), planted as
+# the benchmark that compares the monitor with Evidently and NannyML plants them.
+from benchmarks.monitor_compare import DAYS, FAULTS, TRAIN_DAYS, plant
 from journeys.cli import main
 from journeys.config import Monitor, load_config
 from journeys.monitor import (
@@ -30,16 +32,6 @@ from journeys.monitor import (
     read_history,
 )
 from journeys.reference import DelayCurve, Profile, Reference, Sketch
-
-TRAIN_DAYS, DAYS = 30, 41
-# Night (day number) -> the fault planted in that day's file, and the check that must name it.
-FAULTS = {
-    33: ("renamed", "unknown_values", "event_type"),
-    35: ("channel_tripled", "category_mix", "channel"),
-    37: ("flood", "flood", "user_id"),
-    38: ("no_conversions", "conversions", None),
-    39: ("no_conversions", "conversions", None),
-}
 
 
 @pytest.fixture(scope="module")
