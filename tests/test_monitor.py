@@ -146,6 +146,35 @@ def test_a_night_writes_its_page_snapshot_and_history_row(nights: dict[int, dict
 
 
 @pytest.mark.slow
+def test_the_page_opens_in_a_headless_browser_and_shows_its_plots(
+    nights: dict[int, dict], tmp_path: Path
+) -> None:
+    """Chromium renders the last night's page: a screenshot that is not blank, and holds
+    the probability plot's two lines (matplotlib's first two colours)."""
+    import subprocess
+
+    from PIL import Image
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no Chromium here: scripts/install_test_tools.sh installs Debian's chromium")
+    shot = tmp_path / "page.png"
+    page = nights[DAYS - 1]["folder"] / PAGE_FILE
+    subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+         f"--screenshot={shot}", "--window-size=1000,6000", page.as_uri()],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    pixels = np.asarray(Image.open(shot).convert("RGB")).astype(np.int64)
+    assert (pixels < 200).any(axis=2).mean() > 0.01  # text, tables and plots, not blank
+
+    def near(colour: tuple[int, int, int]) -> int:
+        return int((np.abs(pixels - np.array(colour)).sum(axis=2) < 60).sum())
+
+    assert near((31, 119, 180)) > 100 and near((255, 127, 14)) > 100  # tonight, reference
+
+
+@pytest.mark.slow
 def test_a_matured_cohort_equals_an_offline_computation(nights: dict[int, dict]) -> None:
     """The matured cohort with the most conversions, its open journeys looked up offline in
     the journeys the last night holds: the same ROC AUC and ECE as the report says."""
