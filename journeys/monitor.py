@@ -361,11 +361,19 @@ def cohort_figures(
         expected_conversions=pl.col("conversion_probability").filter(is_known).sum(),
         first=pl.col("as_of").min(),
     )
-    labelled = joined.filter(is_known).partition_by("cohort", as_dict=True)
+    sums = sums.with_columns(matured=pl.lit(now) - pl.col("first") >= maturity)
+    # Only a cohort with new outcomes (or matured tonight) has its labelled figures worked
+    # out again: the known journeys only grow, and a known outcome is final.
+    unchanged = {
+        name for name, known, matured in sums.select("cohort", "known", "matured").iter_rows()
+        if earlier.get(name, {}).get("known") == known
+        and earlier.get(name, {}).get("matured") == matured
+    }  # fmt: skip
+    labelled = joined.filter(is_known, ~pl.col("cohort").is_in(list(unchanged)))
+    by_cohort = labelled.partition_by("cohort", as_dict=True)
     cohorts = {}
     for row in sums.iter_rows(named=True):  # one row a cohort
-        name, kept = row["cohort"], earlier.get(row["cohort"], {})
-        matured = now - row["first"] >= maturity
+        name, matured = row["cohort"], row["matured"]
         figures: dict[str, Any] = {
             "journeys": row["journeys"],
             "known": row["known"],
@@ -377,10 +385,10 @@ def cohort_figures(
             "expected_conversions": row["expected_conversions"],  # among the known
             "matured": matured,
         }
-        if kept.get("known") == row["known"] and kept.get("matured") == matured:
-            figures |= {key: kept[key] for key in LABELLED_FIGURES if key in kept}
+        if name in unchanged:
+            figures |= {k: v for k, v in earlier[name].items() if k in LABELLED_FIGURES}
         else:
-            figures |= labelled_figures(labelled.get((name,)), matured, settings)
+            figures |= labelled_figures(by_cohort.get((name,)), matured, settings)
         cohorts[name] = figures
     return cohorts
 
@@ -876,7 +884,9 @@ model {escape(result.model)}.</p>
             ],
         )
     }
-<h2>Plots</h2><p>Each column whose mix moved at least half its floor, and the probabilities.</p>{images}
+<h2>Plots</h2><p>Each column whose mix moved at least half its floor, and the probabilities.</p>{
+        images
+    }
 </body></html>
 """
 
