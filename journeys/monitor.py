@@ -63,6 +63,12 @@ HISTORY_FILE = "history.parquet"
 REPORT_JSON = "report.json"
 PAGE_FILE = "index.html"
 OPEN_SNAPSHOT = "open.parquet"  # the night's open journeys and their probabilities
+SNAPSHOT_SCHEMA = pl.Schema({
+    "journey_id": pl.String,
+    "conversion_probability": pl.Float64,
+    "as_of": pl.Datetime("us", "UTC"),
+    "quiet_seconds": pl.Float64,
+})  # fmt: skip
 MIN_EXPECTED = 5.0  # categories expected fewer times than this are pooled for chi-square
 COHORT_INTERVAL = 0.99  # the interval of a cohort's expected conversions
 FIRST_NIGHT = timedelta(days=1)  # a first night, with no history, is the day before the end
@@ -672,18 +678,28 @@ def cohort_history(
         if kept and (kept["known"] == kept["journeys"] or name < horizon.date().isoformat()):
             cohorts[name] = kept
             continue
-        snapshot = pl.read_parquet(path)
-        if snapshot.height and snapshot.get_column("as_of").min() < now:
-            pending[name] = snapshot
+        pending[name] = path
     if not pending:
         return cohorts
-    snapshots = pl.concat(
-        [
-            snapshot.with_columns(cohort=pl.lit(name), quiet_seconds=quiet_seconds(snapshot))
-            for name, snapshot in pending.items()
-        ],
-        how="diagonal_relaxed",
+    # One scan over the snapshots still updating (tonight's own, as of now, is not yet a
+    # cohort); snapshots kept before `quiet_seconds` was read it as 0.
+    snapshots = (
+        pl.scan_parquet(
+            list(pending.values()),
+            schema=SNAPSHOT_SCHEMA,
+            missing_columns="insert",
+            include_file_paths="path",
+        )
+        .filter(pl.col("as_of") < now)
+        .with_columns(
+            cohort=pl.col("path").str.split("/").list.get(-2),
+            quiet_seconds=pl.col("quiet_seconds").fill_null(0.0),
+        )
+        .drop("path")
+        .collect()
     )
+    if snapshots.height == 0:
+        return cohorts
     found = outcomes(
         journeys_folder,
         snapshots.get_column("journey_id").unique(),
@@ -692,13 +708,6 @@ def cohort_history(
     settings = config.monitor
     cohorts |= cohort_figures(snapshots, found, now, maturity, earlier, reference, settings)
     return dict(sorted(cohorts.items()))
-
-
-def quiet_seconds(snapshot: pl.DataFrame) -> pl.Expr:
-    """A snapshot's quiet times (0 in snapshots kept before they were)."""
-    if "quiet_seconds" in snapshot.columns:
-        return pl.col("quiet_seconds").cast(pl.Float64)
-    return pl.lit(0.0, pl.Float64)
 
 
 def cohort_checks(
