@@ -2,8 +2,8 @@
 faults of `tests/test_monitor.py`.
 
 Stage 1 (this project's environment): the test's nights, rebuilt the same way. The
-simulator (10,000 users, 41 days, seed 3) is cut into day files; days 1-30 are ingested,
-trained on (the test's tiny model) and scored; then each of days 31-40 lands, with a fault
+simulator (`USERS`, 16,000, over `DAYS`, 66, seed 3) is cut into day files; days 1-30 are
+ingested, trained on (the test's tiny model) and scored; then each of days 31-65 lands, with a fault
 planted on its night (33 an event renamed, 35 email's share tripled, 37 a 50,000-event bot,
 38 and 39 the purchase event gone), and runs `journeys ingest`, `journeys score` and
 `journeys monitor` through `journeys.cli.main`. Exported as Parquet:
@@ -68,7 +68,7 @@ CMP_PYTHON = Path("/work/cmpvenv/bin/python")
 # 30 days to train on, then 35 nights, 30 of them quiet; about 5,000 events a night.
 USERS, SEED, TRAIN_DAYS, DAYS = 16_000, 3, 30, 66
 # Night (day number) -> the fault planted in that day's file and the check that must name
-# it (as tests/test_monitor.py's FAULTS).
+# it (tests/test_monitor.py reads them from here).
 FAULTS = {
     33: ("renamed", "unknown_values", "event_type"),
     35: ("channel_tripled", "category_mix", "channel"),

@@ -638,6 +638,10 @@ class Monitor(Section):
     # A matured cohort's realised ROC AUC this far below what its probabilities promised
     # (CBPE on the same journeys) alerts, when significant.
     min_auc_drop: Annotated[float, Field(ge=0, le=1)] = 0.05
+    # A matured cohort's realised ROC AUC is judged once this share of its outcomes is known
+    # (or on its last night before `cohort_horizon`): the outcomes still unknown are those of
+    # journeys not converted yet, so judging sooner would judge a skewed subset.
+    settled_share: Annotated[float, Field(gt=0, le=1)] = 0.99
     # A cohort's figures stop updating this long after its night (outcomes of journeys
     # still open by then are left unknown), so a night's cost does not grow with history.
     cohort_horizon: Duration = "28d"

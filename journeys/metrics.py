@@ -128,7 +128,10 @@ def roc_auc_interval(
 
 
 def auc_interval(auc: float, se: float, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    """The normal `confidence` interval of an AUC from its standard error, clipped to [0, 1]."""
+    """The normal `confidence` interval of an AUC from its standard error, clipped to [0, 1]
+    (NaN for both when either is NaN: a class was missing)."""
+    if not (math.isfinite(auc) and math.isfinite(se)):
+        return math.nan, math.nan
     half = _z(confidence) * se
     return max(0.0, auc - half), min(1.0, auc + half)
 

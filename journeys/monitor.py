@@ -14,11 +14,14 @@ fires on most identical samples of 100 rows and on none of 1,000) and an effect 
 check's floor (`monitor.*`), so a large night does not alert on a trivial shift.
 
 Performance once labels arrive: every night snapshots the open journeys' probabilities
-(`open.parquet`); a later night looks each cohort's journeys up. Once a cohort has matured
-(every journey closed: `journey.max_gap` and `ingest.late_allowed` after its night), its
-realised ROC AUC (DeLong interval), ECE and observed against expected conversions are
-reported beside the estimate made without labels (CBPE: the expected ROC AUC under the
-calibrated probabilities), so a reader sees how far the estimate can be trusted.
+(`open.parquet`); a later night looks each cohort's journeys up. Conversions so far are
+held against those the probabilities promise by now (the delay curve saved with the
+reference). Once a cohort has matured (`journey.max_gap` and `ingest.late_allowed` after
+its night; a journey that keeps receiving events stays open longer), its realised ROC AUC
+(DeLong interval), ECE and observed against expected conversions are reported beside the
+estimate made without labels (CBPE: the expected ROC AUC under calibrated probabilities),
+so a reader sees how far the estimate can be trusted; the two are compared for an alert
+once the cohort has settled (`monitor.settled_share` of its outcomes known).
 """
 
 from __future__ import annotations
@@ -351,7 +354,7 @@ def cohort_figures(
     A cohort with no new outcome since the `earlier` report keeps its labelled figures."""
     joined = snapshots.join(outcomes, on="journey_id", how="left")
     elapsed = (now - joined.get_column("as_of")).dt.total_seconds().to_numpy() / 3600.0
-    quiet = joined.get_column("quiet_seconds").fill_null(0.0).to_numpy() / 3600.0
+    quiet = joined.get_column("quiet_seconds").fill_null(math.nan).to_numpy() / 3600.0
     probability = joined.get_column("conversion_probability").to_numpy()
     joined = joined.with_columns(
         so_far=pl.Series(probability * reference.conversion_share(quiet, elapsed))
@@ -370,10 +373,10 @@ def cohort_figures(
     sums = sums.with_columns(matured=pl.lit(now) - pl.col("first") >= maturity)
     # Only a cohort with new outcomes (or matured tonight) has its labelled figures worked
     # out again: the known journeys only grow, and a known outcome is final.
+    key = ["known", "converted", "expected_conversions", "matured"]
     unchanged = {
-        name for name, known, matured in sums.select("cohort", "known", "matured").iter_rows()
-        if earlier.get(name, {}).get("known") == known
-        and earlier.get(name, {}).get("matured") == matured
+        row["cohort"] for row in sums.iter_rows(named=True)
+        if all(earlier.get(row["cohort"], {}).get(k) == row[k] for k in key)
     }  # fmt: skip
     labelled = joined.filter(is_known, ~pl.col("cohort").is_in(list(unchanged)))
     by_cohort = labelled.partition_by("cohort", as_dict=True)
@@ -431,6 +434,8 @@ def _normal_interval(mean: float, variance: float) -> list[float]:
     probability)."""
     from statistics import NormalDist
 
+    if not (math.isfinite(mean) and math.isfinite(variance)):
+        return [math.nan, math.nan]
     z = NormalDist().inv_cdf(0.5 + COHORT_INTERVAL / 2)
     sd = math.sqrt(max(variance, 0.0))
     return [max(0.0, mean - z * sd), mean + z * sd]
@@ -447,7 +452,8 @@ def outcomes(journeys_folder: Path, ids: pl.Series, since: datetime) -> pl.DataF
     )
     open_part = pl.col("_file").str.split("/").list.last().str.starts_with(OPEN_PART_PREFIX)
     known = (pl.col("label") == 1) | (~open_part & ~pl.col("censored").fill_null(False))
-    return found.filter(known).select("journey_id", pl.col("label").cast(pl.Int8).alias("outcome"))
+    outcome = pl.col("label").cast(pl.Int8).alias("outcome")
+    return found.filter(known).select("journey_id", outcome).unique("journey_id", keep="any")
 
 
 # ----------------------------------------------------------------------------- the night
@@ -505,9 +511,12 @@ def monitor(config: Config, trained: TrainedModel) -> MonitorReport:
     seen = set(earlier.get_column("sources").tail(1).explode().drop_nulls()) if earlier.height else None  # fmt: skip
     night, opened = measure_night(config, trained, report, start, end, seen)
     baseline = quarantine_baseline(earlier.tail(settings.recent_nights))
-    earlier_cohorts = last_report(root, night.night).get("cohorts", {})
+    last = last_report(root, night.night)
+    earlier_cohorts = last.get("cohorts", {})
     cohorts = cohort_history(root, journeys_folder, end, earlier_cohorts, reference, config)
-    promise = cohort_checks(cohorts, earlier_cohorts, night.night, settings)
+    # A cohort is updated for the last time on the night `cohort_horizon` after its own.
+    last_update = (end - settings.cohort_horizon_delta).date().isoformat()
+    promise = cohort_checks(cohorts, earlier_cohorts, last.get("night"), last_update, settings)
     found = checks(night, reference, baseline, settings, promise)
     result = MonitorReport(
         night.night, start, end, model_name(trained), found, cohorts,
@@ -682,19 +691,20 @@ def cohort_history(
     if not pending:
         return cohorts
     # One scan over the snapshots still updating (tonight's own, as of now, is not yet a
-    # cohort); snapshots kept before `quiet_seconds` was read it as 0.
+    # cohort). Snapshots kept before `quiet_seconds` was have it null: their journeys get no
+    # delay-adjusted expectation rather than a wrong one.
     snapshots = (
         pl.scan_parquet(
             list(pending.values()),
             schema=SNAPSHOT_SCHEMA,
             missing_columns="insert",
             include_file_paths="path",
+            cast_options=pl.ScanCastOptions(
+                float_cast="upcast", datetime_cast="nanosecond-downcast"
+            ),
         )
         .filter(pl.col("as_of") < now)
-        .with_columns(
-            cohort=pl.col("path").str.split("/").list.get(-2),
-            quiet_seconds=pl.col("quiet_seconds").fill_null(0.0),
-        )
+        .with_columns(cohort=pl.col("path").str.split("/").list.get(-2))
         .drop("path")
         .collect()
     )
@@ -713,33 +723,40 @@ def cohort_history(
 def cohort_checks(
     cohorts: dict[str, dict[str, Any]],
     earlier: dict[str, dict[str, Any]],
-    night: str,
+    previous_night: str | None,
+    last_update: str,
     settings: Monitor,
 ) -> list[Check]:
-    """The model's promise, checked as labels arrive: last night's open journeys' conversions
-    since, against what their probabilities and the delay curve expect by now (one cohort,
-    so no conversion is counted twice); and each cohort that matured tonight, its realised
-    ROC AUC against the estimate it had without labels (CBPE)."""
+    """The model's promise, checked as labels arrive: the previous night's open journeys,
+    their conversions since against what their probabilities and the delay curve expect by
+    now (that one cohort, so no conversion is counted twice); and each matured cohort once
+    settled (`monitor.settled_share` of its outcomes known, or its `last_update` night:
+    judged on fewer, the unknown would be the journeys not converted yet), its realised ROC
+    AUC against the estimate it had without labels (CBPE). A judged cohort is marked so."""
     from scipy.stats import poisson
 
     found = []
-    before = [name for name in cohorts if name < night]
-    latest = cohorts[before[-1]] if before else None
+    latest = cohorts.get(previous_night) if previous_night else None
     expected = latest.get("expected_so_far") if latest else None
     if latest and expected is not None and math.isfinite(expected) and expected > 0:
         seen = latest["converted"]
         ratio = seen / expected
         p = 2 * min(poisson.cdf(seen, expected), poisson.sf(seen - 1, expected))
         found.append(Check(
-            "cohort_conversions", before[-1],
-            f"{seen:,} of the {latest['journeys']:,} journeys open on {before[-1]} converted "
+            "cohort_conversions", previous_night,
+            f"{seen:,} of the {latest['journeys']:,} journeys open on {previous_night} converted "
             f"since; their probabilities expect {expected:,.1f} by now ({ratio:.2f}x)",
             either_way(ratio), settings.conversion_ratio, min(1.0, float(p)),
             either_way(ratio) >= settings.conversion_ratio,
         ))  # fmt: skip
     for name, cohort in cohorts.items():
-        if "roc_auc" not in cohort or "roc_auc" in earlier.get(name, {}):
-            continue  # not matured with enough conversions, or judged on an earlier night
+        if earlier.get(name, {}).get("judged") or cohort.get("judged"):
+            cohort["judged"] = True  # carried forward: judged once
+            continue
+        settled = cohort["known"] >= settings.settled_share * cohort["journeys"]
+        if "roc_auc" not in cohort or not (settled or name <= last_update):
+            continue  # not matured with enough conversions, or not settled yet
+        cohort["judged"] = True
         realised, estimate = cohort["roc_auc"], cohort["estimated_roc_auc"]
         low, high = cohort["roc_auc_ci"]
         se = cohort.get("roc_auc_se") or 0.0
@@ -747,8 +764,9 @@ def cohort_checks(
         p = 0.5 * math.erfc(drop / se / math.sqrt(2)) if se > 0 else 1.0
         found.append(Check(
             "cohort_roc_auc", name,
-            f"the journeys open on {name}, now matured: ROC AUC {realised:.3f} "
-            f"[{low:.3f}, {high:.3f}] against {estimate:.3f} their probabilities promised",
+            f"the journeys open on {name}, matured with {cohort['known']:,} of "
+            f"{cohort['journeys']:,} outcomes known: ROC AUC {realised:.3f} [{low:.3f}, "
+            f"{high:.3f}] against {estimate:.3f} their probabilities promised",
             drop, settings.min_auc_drop, p, drop >= settings.min_auc_drop,
         ))  # fmt: skip
     return found
@@ -901,6 +919,7 @@ model {escape(result.model)}.</p>
 
 
 def _interval(bounds: list[float | None] | None) -> str:
+    """An interval as the page shows it ('' when it has no finite bounds)."""
     if not bounds or any(b is None or not math.isfinite(b) for b in bounds):
         return ""
     return f"[{bounds[0]:.1f}, {bounds[1]:.1f}]"

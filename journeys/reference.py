@@ -163,6 +163,7 @@ class DelayCurve:
 
     @classmethod
     def of(cls, hours: np.ndarray) -> DelayCurve:
+        """The curve of these delays (negative or missing ones left out)."""
         hours = np.asarray(hours, dtype=np.float64)
         hours = hours[np.isfinite(hours) & (hours >= 0)]
         if hours.size == 0:
@@ -209,7 +210,9 @@ class Reference:
         return cls(**{
             **data,
             "profile": Profile.from_dict(data["profile"]),
-            "conversion_delay": DelayCurve(**delay) if delay else DelayCurve(),
+            "conversion_delay": DelayCurve(tuple(delay["levels"]), tuple(delay["hours"]))
+            if delay
+            else DelayCurve(),
         })  # fmt: skip
 
     def conversion_share(self, quiet_hours: np.ndarray, elapsed_hours: np.ndarray) -> np.ndarray:

@@ -344,7 +344,7 @@ def score_dataset(
 ) -> Scored:
     """Score every journey of a journeys folder, as it stood at `as_of` (default: the end
     of the data), into Parquet parts under `out` (atomic). With `keep_earlier`, the files
-    of an earlier scoring in `out` that still hold the right scores stay (`earlier_scores`)
+    of an earlier scoring in `out` that still hold the right scores stay (`score_state`)
     and only the rest of the input is scored.
 
     The input is cut into chunks of `chunk_journeys`, each scored on its own

@@ -54,7 +54,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from journeys import metrics as M
 from journeys import plots, tracking
 from journeys.baselines import BaselineSettings
-from journeys.config import parse_duration, redact_uri
+from journeys.config import redact_uri
 from journeys.datasets import (
     SPLITS,
     check_trainable,
@@ -118,14 +118,17 @@ class TrainResult:
 
     @property
     def model_version(self) -> int:
+        """The registered version of this run's model."""
         return self.registration.version
 
     @property
     def champion_version(self) -> int | None:
+        """The champion's version after this run (None: no champion yet)."""
         return self.registration.champion_version
 
     @property
     def promoted(self) -> bool:
+        """Whether this run's model became the champion."""
         return self.registration.promoted
 
 
@@ -149,6 +152,7 @@ def train_command(
         # 2. fit
         fitted, best = fit_best(config, sizes, run.run_id, checkpoint_dir, resume, uri)
         journeys = training_journeys(config.paths.journeys, config.train.window_delta).collect()
+        print(f"evaluating {best} on val and test, logging the model")
         with tempfile.TemporaryDirectory(prefix="journeys-eval-") as tmp:  # plots, until logged
             # 3. evaluate; 4. the other candidates, on the same journeys
             evaluation = evaluate(fitted, Path(tmp))
@@ -574,7 +578,7 @@ def served_model(
     """The model the run registers: the transformer (`transformer_model`) serving the chosen
     candidate's probability, its open-journey survival recalibrated, and its monitoring
     reference (`val`'s journeys and the ingest report in `journeys_folder`)."""
-    max_gap = parse_duration(rules.max_gap)
+    max_gap = rules.max_gap_delta
     trained = transformer_model(fitted, evaluation, rules, journeys, max_gap)
     trained = candidates.serving(trained, decision.kind)
     trained.quiet_survival = in_flight_recalibration(trained, journeys, max_gap)

@@ -24,11 +24,13 @@ from journeys.monitor import (
     OPEN_SNAPSHOT,
     PAGE_FILE,
     REPORT_JSON,
+    Check,
     benjamini_hochberg,
     checks,
     cohort_checks,
     expected_roc_auc,
     js_distance,
+    moved_columns,
     read_history,
 )
 from journeys.reference import DelayCurve, Profile, Reference, Sketch
@@ -156,7 +158,8 @@ def test_the_page_opens_in_a_headless_browser_and_shows_its_plots(
     from PIL import Image
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
+    runs = chromium and subprocess.run([chromium, "--version"], capture_output=True).returncode == 0
+    if not runs:  # none, or a stub that cannot start
         pytest.skip("no Chromium here: scripts/install_test_tools.sh installs Debian's chromium")
     shot = tmp_path / "page.png"
     page = nights[DAYS - 1]["folder"] / PAGE_FILE
@@ -327,22 +330,58 @@ def test_maturing_cohorts_meet_their_delay_adjusted_expectation(nights: dict[int
 
 
 def test_cohort_checks_alert_on_missing_conversions_and_a_broken_promise() -> None:
-    settings = Monitor()
-    quiet = {"2026-02-01": {"journeys": 5000, "converted": 38, "expected_so_far": 40.0}}
-    assert not any(c.over_floor for c in cohort_checks(quiet, {}, "2026-02-02", settings))
-    gone = {"2026-02-01": {"journeys": 5000, "converted": 0, "expected_so_far": 40.0}}
-    found = cohort_checks(gone, {}, "2026-02-02", settings)
-    assert [c.check for c in found] == ["cohort_conversions"] and found[0].over_floor
-    assert found[0].p_value < 1e-10
+    settings, night_before, long_ago = Monitor(), "2026-02-01", "2025-12-01"
+
+    def checked(cohorts: dict, earlier: dict | None = None) -> dict:
+        found = cohort_checks(cohorts, earlier or {}, night_before, long_ago, settings)
+        return {c.check: c for c in found}
+
+    quiet = {"journeys": 5000, "known": 10, "converted": 38, "expected_so_far": 40.0}
+    assert not checked({night_before: quiet})["cohort_conversions"].over_floor
+    gone = checked({night_before: {**quiet, "converted": 0}})["cohort_conversions"]
+    assert gone.over_floor and gone.p_value < 1e-10
+    # Only the previous night's cohort: an older one would count its conversions again.
+    assert "cohort_conversions" not in checked({"2026-01-31": {**quiet, "converted": 0}})
     matured = {
-        "journeys": 5000, "converted": 200, "expected_so_far": 190.0, "roc_auc": 0.62,
-        "roc_auc_ci": [0.58, 0.66], "roc_auc_se": 0.02, "estimated_roc_auc": 0.80,
+        "journeys": 5000, "known": 4990, "converted": 200, "expected_so_far": 190.0,
+        "roc_auc": 0.62, "roc_auc_ci": [0.58, 0.66], "roc_auc_se": 0.02,
+        "estimated_roc_auc": 0.80,
     }  # fmt: skip
-    found = {c.check: c for c in cohort_checks({"2026-01-20": matured}, {}, "2026-02-02", settings)}
-    assert found["cohort_roc_auc"].over_floor and found["cohort_roc_auc"].p_value < 1e-10
-    # The same drop on a cohort too small to tell is not significant; judged once only.
-    small = {**matured, "roc_auc_se": 0.2}
-    found = {c.check: c for c in cohort_checks({"2026-01-20": small}, {}, "2026-02-02", settings)}
-    assert found["cohort_roc_auc"].p_value > 0.1
-    judged = cohort_checks({"2026-01-20": matured}, {"2026-01-20": matured}, "2026-02-02", settings)
-    assert "cohort_roc_auc" not in {c.check for c in judged}
+    broken = checked({"2026-01-20": dict(matured)})["cohort_roc_auc"]
+    assert broken.over_floor and broken.p_value < 1e-10
+    # The same drop on a cohort too small to tell is not significant.
+    small = checked({"2026-01-20": {**matured, "roc_auc_se": 0.2}})["cohort_roc_auc"]
+    assert small.p_value > 0.1
+    # Not judged while the outcomes still unknown are many (they are the journeys not
+    # converted yet), unless it is the cohort's last night; and judged once only.
+    unsettled = {**matured, "known": 4000}
+    assert "cohort_roc_auc" not in checked({"2026-01-20": dict(unsettled)})
+    last_night = cohort_checks({long_ago: dict(unsettled)}, {}, night_before, long_ago, settings)
+    assert [c.check for c in last_night] == ["cohort_roc_auc"]
+    again = {"2026-01-20": dict(matured)}
+    assert "cohort_roc_auc" not in checked(again, {"2026-01-20": {"judged": True}})
+    assert again["2026-01-20"]["judged"]  # carried forward
+
+
+def test_an_older_reference_without_a_delay_curve_still_loads(tmp_path: Path) -> None:
+    reference = Reference(Profile(), roc_auc=0.7)
+    data = reference.to_dict()
+    del data["conversion_delay"]  # saved before the curve was kept
+    (tmp_path / "reference.json").write_text(json.dumps(data))
+    loaded = Reference.load(tmp_path)
+    assert loaded is not None and loaded.roc_auc == 0.7 and loaded.conversion_delay.hours == ()
+    curve = DelayCurve.of(np.array([1.0, 2.0, 5.0]))
+    Reference(Profile(), conversion_delay=curve).save(tmp_path)
+    assert Reference.load(tmp_path).conversion_delay == curve  # round-trips as it was
+
+
+def test_a_column_is_plotted_once_its_mix_moved_half_its_floor() -> None:
+    def mix(column: str, figure: float) -> Check:
+        return Check("category_mix", column, "", figure, 0.1, 0.5, figure >= 0.1)
+
+    found = [
+        mix("channel", 0.06),
+        mix("device", 0.04),
+        Check("flood", "user_id", "", 9, 5, None, True),
+    ]
+    assert moved_columns(found) == {"channel"}
