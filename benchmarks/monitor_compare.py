@@ -135,7 +135,9 @@ def plant(day: pl.DataFrame, fault: str) -> pl.DataFrame:
 
 
 def settings(folder: Path) -> list[str]:
-    """The test's configuration (`config_args`): every path under `folder`, the tiny model."""
+    """The nights' configuration (tests/test_monitor.py runs with it too): every path under
+    `folder`, the tiny model; a few hundred open journeys a night convert rarely, hence a
+    realised figure from 2 conversions."""
     return [
         f"paths.raw={folder / 'raw'}", f"paths.journeys={folder / 'journeys'}",
         f"paths.quarantine={folder / 'quarantine'}", f"paths.scores={folder / 'scores'}",

@@ -16,7 +16,7 @@ from test_flows import isolated, tiny_config
 
 # The nights and their faults (night -> fault, the check that must name it), planted as
 # the benchmark that compares the monitor with Evidently and NannyML plants them.
-from benchmarks.monitor_compare import DAYS, FAULTS, SEED, TRAIN_DAYS, USERS, plant
+from benchmarks.monitor_compare import DAYS, FAULTS, SEED, TRAIN_DAYS, USERS, plant, settings
 from journeys.cli import main
 from journeys.config import Monitor, load_config
 from journeys.monitor import (
@@ -88,22 +88,10 @@ def not_json(constant: str) -> None:
 
 
 def overrides(config) -> list[str]:
-    """The configuration as command-line settings (every path, the tiny model)."""
-    return [arg for pair in config_args(config) for arg in ("--set", pair)]
-
-
-def config_args(config) -> list[str]:
-    paths = config.paths
-    return [
-        f"paths.raw={paths.raw}", f"paths.journeys={paths.journeys}",
-        f"paths.quarantine={paths.quarantine}", f"paths.scores={paths.scores}",
-        f"paths.reports={paths.reports}", f"paths.checkpoints={paths.checkpoints}",
-        f"mlflow.tracking_uri={config.mlflow.tracking_uri}",
-        "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "train.max_epochs=1",
-        "train.baselines=[logreg,prior]", "promotion.guard=false", "journey.max_gap=1d",
-        "ingest.late_allowed=1d", "attribution.ig_sample=0", "train.accelerator=cpu",
-        "monitor.min_cohort_conversions=2",  # a few hundred open journeys convert rarely
-    ]  # fmt: skip
+    """The configuration as command-line settings (every path, the tiny model), as the
+    benchmark sets them."""
+    folder = Path(config.paths.raw).parent
+    return [arg for pair in settings(folder) for arg in ("--set", pair)]
 
 
 @pytest.mark.slow
