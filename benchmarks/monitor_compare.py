@@ -37,8 +37,8 @@ Usage::
 
 The comparison environment (kept out of the project's)::
 
-    python3.11 -m venv /work/cmpvenv
-    /work/cmpvenv/bin/pip install evidently nannyml "pandas<3" pyarrow
+    python3.11 -m venv data/bench/monitor_compare_env
+    data/bench/monitor_compare_env/bin/pip install evidently nannyml "pandas<3" pyarrow
 
 Data and folders live under data/bench/monitor_compare/ (git-ignored).
 """
@@ -64,7 +64,9 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 WORK = ROOT / "data" / "bench" / "monitor_compare"
-CMP_PYTHON = Path("/work/cmpvenv/bin/python")
+# The comparison's own environment, git-ignored beside the benchmark's data (not inside it:
+# a full run starts the data afresh).
+CMP_PYTHON = ROOT / "data" / "bench" / "monitor_compare_env" / "bin" / "python"
 # 30 days to train on, then 35 nights, 30 of them quiet; about 5,000 events a night.
 USERS, SEED, TRAIN_DAYS, DAYS = 16_000, 3, 30, 66
 # Night (day number) -> the fault planted in that day's file and the check that must name
