@@ -5,6 +5,7 @@ thresholds know their sample size."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -373,3 +374,33 @@ def test_a_column_is_plotted_once_its_mix_moved_half_its_floor() -> None:
         Check("flood", "user_id", "", 9, 5, None, True),
     ]
     assert moved_columns(found) == {"channel"}
+
+
+@pytest.mark.slow
+def test_cohort_figures_kept_from_last_night_equal_a_recompute(nights: dict[int, dict]) -> None:
+    """The last night reused the labelled figures of cohorts with no new outcome: worked
+    out again from nothing (no earlier report), every cohort's figures are the same."""
+    from datetime import datetime
+
+    from journeys.attribution import scoring_model_uri
+    from journeys.datasets import read_metadata
+    from journeys.monitor import cohort_history
+    from journeys.trained_model import load_model
+
+    config, root = nights[0]["config"], nights[0]["folder"]
+    report = nights[DAYS - 1]["report"]
+    with isolated(root):
+        uri = scoring_model_uri(read_metadata(config.paths.scores))
+        trained = load_model(uri, tracking_uri=config.mlflow.tracking_uri)
+    folder = Path(config.paths.reports) / MONITOR_DIR
+    end = datetime.fromisoformat(report["end"])
+    fresh = cohort_history(folder, Path(config.paths.journeys), end, {}, trained.reference, config)
+    fresh = json.loads(json.dumps(fresh, default=float, allow_nan=True))  # as report.json holds
+    reused = report["cohorts"]
+    assert set(fresh) == set(reused) and len(fresh) >= 30
+    for name, cohort in fresh.items():
+        for key, value in cohort.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                assert reused[name][key] is None, (name, key)
+            else:
+                assert reused[name][key] == pytest.approx(value), (name, key)
