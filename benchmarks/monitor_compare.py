@@ -136,6 +136,19 @@ def plant(day: pl.DataFrame, fault: str) -> pl.DataFrame:
     raise ValueError(fault)
 
 
+def simulated_days(folder: Path) -> pl.DataFrame:
+    """The nights' log (`USERS` over `DAYS`, `SEED`), simulated into `folder`, its rows as
+    text with `_day`, the day number from 1."""
+    import polars as pl
+
+    from journeys.simulate import simulate
+
+    simulate(folder, users=USERS, days=DAYS, seed=SEED)
+    rows = pl.read_csv(next(folder.glob("*.csv")), infer_schema=False)
+    day = pl.col("timestamp").str.to_datetime(time_zone="UTC").dt.date()
+    return rows.with_columns((day - day.min()).dt.total_days().alias("_day") + 1)
+
+
 def settings(folder: Path) -> list[str]:
     """The nights' configuration (tests/test_monitor.py runs with it too): every path under
     `folder`, the tiny model; a few hundred open journeys a night convert rarely, hence a
@@ -280,7 +293,6 @@ def build_nights(work: Path) -> dict[str, Any]:
     from journeys.monitor import MONITOR_DIR, OPEN_SNAPSHOT, REPORT_JSON, expected_roc_auc, outcomes
     from journeys.reference import event_rows
     from journeys.score import default_model_uri
-    from journeys.simulate import simulate
     from journeys.trained_model import load_model
 
     folder, out, log = work / "run", work / "export", work / "stage1.log"
@@ -288,10 +300,7 @@ def build_nights(work: Path) -> dict[str, Any]:
         path.mkdir(parents=True)
     os.environ.update(ENV)
     started = time.perf_counter()
-    simulate(folder / "log", users=USERS, days=DAYS, seed=SEED)
-    rows = pl.read_csv(next((folder / "log").glob("*.csv")), infer_schema=False)
-    day = pl.col("timestamp").str.to_datetime(time_zone="UTC").dt.date()
-    rows = rows.with_columns((day - day.min()).dt.total_days().alias("_day") + 1)
+    rows = simulated_days(folder / "log")
     raw = folder / "raw"
     raw.mkdir()
     args = settings(folder)

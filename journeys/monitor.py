@@ -263,16 +263,14 @@ def checks(
         ))  # fmt: skip
     valid = night.rows_read - sum(night.quarantined.values())
     if reference.conversions_per_row and valid > 0:
-        from scipy.stats import poisson
-
         expected = valid * reference.conversions_per_row
         ratio = night.conversions / expected
-        p = 2 * min(poisson.cdf(night.conversions, expected), poisson.sf(night.conversions - 1, expected))  # fmt: skip
+        p = poisson_p(night.conversions, expected)
         found.append(Check(
             "conversions", None,
             f"{night.conversions:,} conversions in tonight's {valid:,} valid rows, "
             f"{expected:,.0f} expected at the reference's rate ({ratio:.2f}x)",
-            either_way(ratio), settings.conversion_ratio, min(1.0, float(p)),
+            either_way(ratio), settings.conversion_ratio, p,
             either_way(ratio) >= settings.conversion_ratio,
         ))  # fmt: skip
     for reason, count in night.quarantined.items():
@@ -301,6 +299,13 @@ def checks(
         replace(c, alert=c.over_floor and (c.p_value is None or i in significant))
         for i, c in enumerate(found)
     ]
+
+
+def poisson_p(seen: int, expected: float) -> float:
+    """Two-sided p-value of `seen` counts where a Poisson with mean `expected` is assumed."""
+    from scipy.stats import poisson
+
+    return min(1.0, float(2 * min(poisson.cdf(seen, expected), poisson.sf(seen - 1, expected))))
 
 
 def either_way(ratio: float) -> float:
@@ -349,7 +354,7 @@ def cohort_figures(
     """Earlier nights' open journeys (`snapshots`, one `cohort` per night) against what they
     did since, by cohort: conversions so far against those expected by now (each journey's
     probability times the share of conversions that arrive within its elapsed time,
-    `Reference.conversion_share`); realised figures once a cohort has matured (`maturity`
+    `DelayCurve.share`); realised figures once a cohort has matured (`maturity`
     after its night) and holds enough conversions, beside the estimate without labels.
     A cohort with no new outcome since the `earlier` report keeps its labelled figures."""
     joined = snapshots.join(outcomes, on="journey_id", how="left")
@@ -357,7 +362,7 @@ def cohort_figures(
     quiet = joined.get_column("quiet_seconds").fill_null(math.nan).to_numpy() / 3600.0
     probability = joined.get_column("conversion_probability").to_numpy()
     joined = joined.with_columns(
-        so_far=pl.Series(probability * reference.conversion_share(quiet, elapsed))
+        so_far=pl.Series(probability * reference.conversion_delay.share(quiet, elapsed))
     )
     is_known = pl.col("outcome").is_not_null()
     sums = joined.group_by("cohort").agg(
@@ -733,20 +738,18 @@ def cohort_checks(
     settled (`monitor.settled_share` of its outcomes known, or its `last_update` night:
     judged on fewer, the unknown would be the journeys not converted yet), its realised ROC
     AUC against the estimate it had without labels (CBPE). A judged cohort is marked so."""
-    from scipy.stats import poisson
-
     found = []
     latest = cohorts.get(previous_night) if previous_night else None
     expected = latest.get("expected_so_far") if latest else None
     if latest and expected is not None and math.isfinite(expected) and expected > 0:
         seen = latest["converted"]
         ratio = seen / expected
-        p = 2 * min(poisson.cdf(seen, expected), poisson.sf(seen - 1, expected))
+        p = poisson_p(seen, expected)
         found.append(Check(
             "cohort_conversions", previous_night,
             f"{seen:,} of the {latest['journeys']:,} journeys open on {previous_night} converted "
             f"since; their probabilities expect {expected:,.1f} by now ({ratio:.2f}x)",
-            either_way(ratio), settings.conversion_ratio, min(1.0, float(p)),
+            either_way(ratio), settings.conversion_ratio, p,
             either_way(ratio) >= settings.conversion_ratio,
         ))  # fmt: skip
     for name, cohort in cohorts.items():

@@ -215,10 +215,6 @@ class Reference:
             else DelayCurve(),
         })  # fmt: skip
 
-    def conversion_share(self, quiet_hours: np.ndarray, elapsed_hours: np.ndarray) -> np.ndarray:
-        """`DelayCurve.share` of the reference's delays; NaN where none were kept."""
-        return self.conversion_delay.share(quiet_hours, elapsed_hours)
-
     def save(self, folder: Path) -> Path:
         path = folder / REFERENCE_FILE
         path.write_text(json.dumps(finite(self.to_dict()), indent=1, allow_nan=False) + "\n")

@@ -17,7 +17,7 @@ from test_flows import isolated, tiny_config
 
 # The nights and their faults (night -> fault, the check that must name it), planted as
 # the benchmark that compares the monitor with Evidently and NannyML plants them.
-from benchmarks.monitor_compare import DAYS, FAULTS, SEED, TRAIN_DAYS, USERS, plant, settings
+from benchmarks.monitor_compare import DAYS, FAULTS, TRAIN_DAYS, plant, settings, simulated_days
 from journeys.cli import main
 from journeys.config import Monitor, load_config
 from journeys.monitor import (
@@ -41,13 +41,8 @@ from journeys.reference import DelayCurve, Profile, Reference, Sketch
 def nights(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     """Train on 30 days of the simulator, then run the nightly ingest, scoring and monitor
     for each later day, faults planted on their nights; each night's report.json."""
-    from journeys.simulate import simulate
-
     folder = tmp_path_factory.mktemp("monitor")
-    simulate(folder / "log", users=USERS, days=DAYS, seed=SEED)
-    log = pl.read_csv(next((folder / "log").glob("*.csv")), infer_schema=False)
-    day = pl.col("timestamp").str.to_datetime(time_zone="UTC").dt.date()
-    log = log.with_columns((day - day.min()).dt.total_days().alias("_day") + 1)
+    log = simulated_days(folder / "log")
     raw = folder / "raw"
     raw.mkdir()
     config = tiny_config(
@@ -284,14 +279,14 @@ def test_the_conversion_share_conditions_on_the_quiet_time() -> None:
     """Exponential delays forget how long a journey has waited: the share arriving within
     t is the same whatever the quiet time q, 1 - exp(-t / mean); none within 0, all in time."""
     delays = np.random.default_rng(0).exponential(10.0, 200_000)
-    reference = Reference(Profile(), conversion_delay=DelayCurve.of(delays))
+    curve = DelayCurve.of(delays)
     quiet = np.array([0.0, 5.0, 20.0])
     for hours in (3.0, 10.0, 25.0):
-        share = reference.conversion_share(quiet, np.full(3, hours))
+        share = curve.share(quiet, np.full(3, hours))
         assert share == pytest.approx(1 - np.exp(-hours / 10.0), abs=0.03), hours
-    assert reference.conversion_share(quiet, np.zeros(3)) == pytest.approx(0.0, abs=1e-9)
-    assert reference.conversion_share(quiet, np.full(3, 1e4)) == pytest.approx(1.0)
-    assert np.isnan(Reference(Profile()).conversion_share(quiet, quiet)).all()  # no curve
+    assert curve.share(quiet, np.zeros(3)) == pytest.approx(0.0, abs=1e-9)
+    assert curve.share(quiet, np.full(3, 1e4)) == pytest.approx(1.0)
+    assert np.isnan(Reference(Profile()).conversion_delay.share(quiet, quiet)).all()  # no curve
 
 
 @pytest.mark.slow
