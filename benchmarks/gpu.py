@@ -275,7 +275,7 @@ def same_scores_on_workers(loaded: Any, folder: Path, out: Path) -> dict:
         )  # fmt: skip
         frames.append(pl.read_parquet(out / name).sort("journey_id"))
     in_order, workers = frames
-    floats = ["conversion_probability", "attention"]
+    floats = ["conversion_probability", "events_probability", "attention"]
     return {
         "same_rows_and_columns": in_order.drop(floats).equals(workers.drop(floats)),
         "max_probability_difference": float(

@@ -38,6 +38,10 @@ Tables (Parquet and CSV), computed with Polars explode + group_by (no per-row Py
   1 - P(conversion without it) / P(conversion), normalised to shares for `credit`.
   Absorption probabilities come from solving (I - Q) x = r with numpy.
 
+Every table adds up over journeys: each scores file's sums (`report_sums`) are kept in
+`_sums/` beside the report, and the next report reads only the files that changed
+(`scores_sums`), so a nightly report costs what its new scores cost.
+
 Plots (PNG): credit share by touchpoint for each method, attention heatmaps of a few
 high-scoring converting journeys, attention by position from the end.
 
@@ -55,6 +59,7 @@ import re
 import shutil
 import sys
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,11 +72,12 @@ from journeys.datasets import (
     MISSING_VALUE,
     read_metadata,
     scan_scores,
+    scores_parts,
     scores_window_start,
 )
 from journeys.errors import InputError, first_line
 from journeys.plots import plot_credit, plot_examples, plot_position
-from journeys.storage import atomic_dir, link_or_copy
+from journeys.storage import atomic_dir, file_key, link_or_copy
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -130,23 +136,176 @@ def report_dimensions(features: list[str], by: list[str] | None) -> list[str]:
     return dimensions
 
 
-def constant_within_journeys(scores: pl.LazyFrame, features: list[str]) -> list[str]:
-    """Features with one value throughout every journey (a device per user, a numeric
-    price list aside): credit by them would only restate which journeys converted, so the
-    default breakdown skips them (`attribution.by` can still name them)."""
-    if not features:
-        return []
-    varies = scores.select(
-        (pl.col(name).list.eval(pl.element().cast(pl.String).fill_null("")).list.n_unique() > 1)
-        .any()
-        .alias(name)
-        for name in features
-    ).collect()
-    return [name for name in features if not varies.get_column(name).fill_null(False).item()]
-
-
 def _filled(column: str) -> pl.Expr:
     return pl.col(column).list.eval(pl.element().cast(pl.String).fill_null(MISSING_VALUE))
+
+
+# ----------------------------------------------------------------------------- sums
+# Everything the report computes over journeys is a sum (events, attention, first and
+# last touches, Markov transitions, ...), so each scores file's sums are computed once and
+# kept beside the report (`SUMS_DIR`); a nightly report reads only the files that changed
+# since the last one and adds the sums up. Sums are kept by every list column, before
+# any lumping of rare touchpoints: which ones are rare, which features are constant and
+# the shares are decided after adding up, on the whole window.
+
+SUMS_DIR = "_sums"  # in the report folder: per scores file, what the report adds up
+SUM_TABLES = ("outcomes", "varies", "attention", "positions", "touchpoints", "transitions")
+SUM_COLUMNS = (
+    "events",
+    "attention",
+    "known_events",
+    "first_touch",
+    "last_touch",
+    "linear",
+    "count",
+)
+
+# SUM_TABLES' tables; kept per scores file, with `FILES`: each file's earliest journey
+# end and the window cut its sums were taken at.
+ReportSums = dict[str, pl.DataFrame]
+FILES = "files"
+
+
+def report_sums(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> ReportSums:
+    """The additive tables of the report over `scores`, per value of the `by` columns
+    (`("file",)`: per scores file), computed in one pass of queries.
+
+    `outcomes`: journeys per outcome; `varies`:
+    whether each list column takes more than one value within some journey; `attention`:
+    events and attention mass per (column, outcome, value); `positions`: the same per
+    (outcome, position from the end); `touchpoints`: per (dimension, touchpoint), events
+    in journeys of known outcome and, over converting journeys, first and last touches,
+    linear credit and attention mass; `transitions`: the Markov chain's transition counts
+    per dimension (touchpoints not lumped).
+    """
+    schema = scores.collect_schema()
+    columns = ["event_type", *score_features(schema)]
+    keys = list(by)
+    journeys = scores.select(*keys, outcome_expr(schema), "attention", *map(_filled, columns))
+    known = journeys.filter(pl.col("outcome") != UNKNOWN)
+    converted = journeys.filter(pl.col("outcome") == CONVERTED)
+
+    def by_value(column: str) -> pl.LazyFrame:
+        return (
+            journeys.select(*keys, "outcome", pl.col(column).alias("value"), "attention")
+            .explode(["value", "attention"])
+            .drop_nulls("attention")
+            .group_by(*keys, "outcome", "value")
+            .agg(events=pl.len(), attention=pl.col("attention").cast(pl.Float64).sum())
+            .select(*keys, pl.lit(column).alias("column"), pl.exclude(keys))
+        )
+
+    def by_touchpoint(dimension: str) -> pl.LazyFrame:
+        on_converted = converted.select(*keys, pl.col(dimension).alias("touchpoints"), "attention")
+        events = (
+            known.select(*keys, touchpoint=pl.col(dimension))
+            .explode("touchpoint")
+            .group_by(*keys, "touchpoint")
+            .agg(known_events=pl.len())
+        )
+        credit = events
+        for part in (_firsts_and_lasts, _linear, _attention_mass):
+            credit = credit.join(
+                part(on_converted, keys), on=[*keys, "touchpoint"], how="full", coalesce=True
+            )
+        return credit.select(*keys, pl.lit(dimension).alias("dimension"), pl.exclude(keys))
+
+    def transitions(dimension: str) -> pl.LazyFrame:
+        paths = known.select(
+            *keys, pl.col(dimension).alias("touchpoints"), converted=pl.col("outcome") == CONVERTED
+        )
+        counts = _transition_counts(paths, keys)
+        return counts.select(*keys, pl.lit(dimension).alias("dimension"), pl.exclude(keys))
+
+    length = pl.col("attention").list.len().cast(pl.Int64)
+    positions = (
+        journeys.select(
+            *keys, "outcome", "attention", position_from_end=pl.int_ranges(length - 1, -1, -1)
+        )
+        .explode(["attention", "position_from_end"])
+        .drop_nulls("attention")
+        .group_by(*keys, "outcome", "position_from_end")
+        .agg(events=pl.len(), attention=pl.col("attention").cast(pl.Float64).sum())
+    )
+    varies = [
+        journeys.group_by(keys or pl.lit(0).alias("_all"))
+        .agg(varies=(pl.col(column).list.n_unique() > 1).any().fill_null(False))
+        .select(*keys, pl.lit(column).alias("column"), "varies")
+        for column in columns
+    ]
+    queries = {
+        "outcomes": journeys.group_by(*keys, "outcome").agg(journeys=pl.len()),
+        "varies": pl.concat(varies),
+        "attention": pl.concat([by_value(c) for c in columns]),
+        "positions": positions,
+        "touchpoints": pl.concat([by_touchpoint(c) for c in columns], how="diagonal_relaxed"),
+        "transitions": pl.concat([transitions(c) for c in columns]),
+    }
+    return dict(zip(queries, pl.collect_all(queries.values(), engine="streaming"), strict=True))
+
+
+def added_up(sums: list[ReportSums]) -> ReportSums:
+    """Many frames' (files') sums as one frame's: counts and masses summed, `varies` any."""
+    total: ReportSums = {}
+    for name in SUM_TABLES:
+        table = pl.concat(
+            [s[name].drop("file", strict=False) for s in sums], how="diagonal_relaxed"
+        )
+        keys = [c for c in table.columns if c not in (*SUM_COLUMNS, "journeys", "varies")]
+        values = [c for c in table.columns if c not in keys]
+        total[name] = table.group_by(keys, maintain_order=True).agg(
+            pl.col(c).any() if c == "varies" else pl.col(c).fill_null(0).sum() for c in values
+        )
+    return total
+
+
+def _firsts_and_lasts(converted: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
+    touches = pl.col("touchpoints")
+    first = converted.group_by(*keys, touchpoint=touches.list.first()).agg(first_touch=pl.len())
+    last = converted.group_by(*keys, touchpoint=touches.list.last()).agg(last_touch=pl.len())
+    return first.join(last, on=[*keys, "touchpoint"], how="full", coalesce=True)
+
+
+def _linear(converted: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
+    return (
+        converted.select(
+            *keys,
+            pl.col("touchpoints").alias("touchpoint"),
+            (1.0 / pl.col("touchpoints").list.len()).alias("weight"),
+        )
+        .explode("touchpoint")
+        .group_by(*keys, "touchpoint")
+        .agg(linear=pl.col("weight").sum())
+    )
+
+
+def _attention_mass(converted: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
+    return (
+        converted.select(*keys, pl.col("touchpoints").alias("touchpoint"), "attention")
+        .explode(["touchpoint", "attention"])
+        .drop_nulls("attention")
+        .group_by(*keys, "touchpoint")
+        .agg(attention=pl.col("attention").cast(pl.Float64).sum())
+    )
+
+
+def _outer(left: pl.LazyFrame, right: pl.LazyFrame) -> pl.LazyFrame:
+    return left.join(right, on="touchpoint", how="full", coalesce=True)
+
+
+def constant_columns(sums: ReportSums) -> list[str]:
+    """List columns with one value throughout every journey (a device per user, a price
+    list aside): credit by them would only restate which journeys converted, so the
+    default breakdown skips them (`attribution.by` can still name them)."""
+    varies = sums["varies"]
+    return [c for c, v in varies.select("column", "varies").iter_rows() if not v]
+
+
+def _ordered_columns(sums: ReportSums) -> list[str]:
+    """The list columns of the sums, event_type first, then the features in their order
+    in the scores (the order the `varies` rows came in)."""
+    names = sums["varies"].get_column("column").to_list()
+    return ["event_type", *[n for n in names if n != "event_type"]]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -154,55 +313,54 @@ def _filled(column: str) -> pl.Expr:
 
 def attention_by(scores: pl.LazyFrame, column: str) -> pl.DataFrame:
     """Attention aggregated by the values of one list column, per outcome."""
-    schema = scores.collect_schema()
-    return _shares(
-        scores.select(outcome_expr(schema), _filled(column), "attention")
-        .explode([column, "attention"])
-        .drop_nulls("attention")
-        .group_by("outcome", column)
-        .agg(
-            events=pl.len(),
-            attention=pl.col("attention").cast(pl.Float64).sum(),
-            mean_attention=pl.col("attention").cast(pl.Float64).mean(),
-        ),
-        [column],
+    return attention_table(
+        report_sums(scores.select(*dict.fromkeys([*_needed(scores), column]))), column
     )
 
 
 def attention_by_position(scores: pl.LazyFrame, cap: int) -> pl.DataFrame:
     """Attention by position from the end (0 = last event; `cap` = that far or further)."""
-    schema = scores.collect_schema()
-    length = pl.col("attention").list.len().cast(pl.Int64)
-    return _shares(
-        scores.select(
-            outcome_expr(schema),
-            "attention",
-            pl.int_ranges(length - 1, -1, -1).alias("position_from_end"),
-        )
-        .explode(["attention", "position_from_end"])
-        .drop_nulls("attention")
-        .with_columns(pl.col("position_from_end").clip(upper_bound=cap))
-        .group_by("outcome", "position_from_end")
-        .agg(
-            events=pl.len(),
-            attention=pl.col("attention").cast(pl.Float64).sum(),
-            mean_attention=pl.col("attention").cast(pl.Float64).mean(),
-        ),
-        ["position_from_end"],
+    return position_table(report_sums(scores.select(*_needed(scores))), cap)
+
+
+def _needed(scores: pl.LazyFrame) -> list[str]:
+    """The columns every sum reads: the outcome's, the event types and attention."""
+    names = ("label", "censored", "open", "event_time", "event_type", "attention")
+    return [name for name in names if name in scores.collect_schema()]
+
+
+def attention_table(sums: ReportSums, column: str) -> pl.DataFrame:
+    """The summed attention by one list column's values, per outcome, with shares."""
+    table = sums["attention"].filter(pl.col("column") == column).drop("column")
+    return _shares(table.rename({"value": column}).lazy(), [column])
+
+
+def position_table(sums: ReportSums, cap: int) -> pl.DataFrame:
+    """The summed attention by position from the end, `cap` and beyond pooled."""
+    table = (
+        sums["positions"]
+        .lazy()
+        .group_by("outcome", pl.col("position_from_end").clip(upper_bound=cap))
+        .agg(pl.col("events", "attention").sum())
     )
+    return _shares(table, ["position_from_end"])
 
 
 def _shares(grouped: pl.LazyFrame, keys: list[str]) -> pl.DataFrame:
-    """Add attention and event shares within each outcome, and their ratio (lift)."""
+    """Add mean attention, attention and event shares within each outcome, and their
+    ratio (lift)."""
     return (
         grouped.with_columns(
+            mean_attention=pl.col("attention") / pl.col("events"),
             attention_share=pl.col("attention") / pl.col("attention").sum().over("outcome"),
             event_share=pl.col("events") / pl.col("events").sum().over("outcome"),
         )
         .with_columns(lift=pl.col("attention_share") / pl.col("event_share"))
+        .select("outcome", *keys, "events", "attention", "mean_attention", "attention_share",
+                "event_share", "lift")
         .sort(["outcome", *keys])
-        .collect(engine="streaming")
-    )
+        .collect()
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- rules
@@ -215,47 +373,34 @@ def rule_based_credit(converted: pl.LazyFrame) -> pl.DataFrame:
     is one conversion: all to its first (last) touchpoint, or 1/n to each of its n events.
     """
     journeys = converted.select(pl.len()).collect().item()
-    if journeys == 0:
-        return pl.DataFrame(
-            schema={"touchpoint": pl.String, **dict.fromkeys(METHODS[1:4], pl.Float64)}
-        )
-    first = converted.group_by(touchpoint=pl.col("touchpoints").list.first()).agg(
-        first_touch=pl.len()
-    )
-    last = converted.group_by(touchpoint=pl.col("touchpoints").list.last()).agg(last_touch=pl.len())
-    linear = (
-        converted.select(
-            pl.col("touchpoints").alias("touchpoint"),
-            (1.0 / pl.col("touchpoints").list.len()).alias("weight"),
-        )
-        .explode("touchpoint")
-        .group_by("touchpoint")
-        .agg(linear=pl.col("weight").sum())
-    )
-    table = _outer(_outer(first, last), linear).collect()
-    return table.with_columns(
-        (pl.col(name).cast(pl.Float64).fill_null(0.0) / journeys)
-        for name in ("first_touch", "last_touch", "linear")
+    table = _outer(_firsts_and_lasts(converted, []), _linear(converted, [])).collect()
+    methods = ("first_touch", "last_touch", "linear")
+    return table.select(
+        "touchpoint",
+        *(pl.col(m).cast(pl.Float64).fill_null(0.0) / max(journeys, 1) for m in methods),
     ).sort("touchpoint")
 
 
-def attention_credit(converted: pl.LazyFrame) -> pl.DataFrame:
-    """Credit shares from the exported attention: each converting journey's weights (sum
-    1) go to the touchpoints of their events."""
-    journeys = converted.select(pl.len()).collect().item()
-    return (
-        converted.select(pl.col("touchpoints").alias("touchpoint"), "attention")
-        .explode(["touchpoint", "attention"])
-        .drop_nulls("attention")
-        .group_by("touchpoint")
-        .agg(attention=pl.col("attention").cast(pl.Float64).sum() / max(journeys, 1))
-        .sort("touchpoint")
-        .collect(engine="streaming")
+def credit_table(
+    sums: ReportSums, dimension: str, keep: list[str] | None, markov: MarkovResult
+) -> pl.DataFrame:
+    """Credit shares by `dimension` from the sums: attention, first and last touch and
+    linear over converting journeys, and the Markov chain's removal effects (every
+    touchpoint of a journey with a known outcome has a row)."""
+    converted = dict(sums["outcomes"].iter_rows()).get(CONVERTED, 0)
+    methods = ("first_touch", "last_touch", "linear", "attention")
+    summed = (
+        sums["touchpoints"]
+        .lazy()
+        .filter(pl.col("dimension") == dimension, pl.col("known_events") > 0)
+        .group_by(touchpoint=_lump(pl.col("touchpoint"), keep))
+        .agg(pl.col(*methods).fill_null(0).sum())
+        .select(
+            "touchpoint",
+            *(pl.col(m).cast(pl.Float64) / max(converted, 1) for m in methods),
+        )
     )
-
-
-def _outer(left: pl.LazyFrame, right: pl.LazyFrame) -> pl.LazyFrame:
-    return left.join(right, on="touchpoint", how="full", coalesce=True)
+    return _outer(summed, markov.removal.select("touchpoint", "markov").lazy()).collect()
 
 
 # ----------------------------------------------------------------------------- Markov
@@ -274,20 +419,23 @@ def markov_transitions(paths: pl.LazyFrame) -> pl.DataFrame:
     `paths` has `touchpoints` (list) and `converted` (bool): each journey is the path
     (start) -> t1 -> ... -> tn -> (conversion) or (null).
     """
+    return _transition_counts(paths, []).sort("from", "to").collect(engine="streaming")
+
+
+def _transition_counts(paths: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
     end = pl.when(pl.col("converted")).then(pl.lit(CONVERSION)).otherwise(pl.lit(NULL))
     path = pl.concat_list(pl.lit(START), pl.col("touchpoints"), end).alias("path")
     steps = pl.col("path").list.len() - 1
     return (
-        paths.select(path)
+        paths.select(*keys, path)
         .select(
+            *keys,
             pl.col("path").list.slice(0, steps).alias("from"),
             pl.col("path").list.slice(1).alias("to"),
         )
         .explode(["from", "to"])
-        .group_by("from", "to")
+        .group_by(*keys, "from", "to")
         .agg(count=pl.len())
-        .sort("from", "to")
-        .collect(engine="streaming")
     )
 
 
@@ -352,15 +500,13 @@ def markov_removal_effects(transitions: pl.DataFrame) -> MarkovResult:
     return MarkovResult(table, removal, base)
 
 
-def frequent_touchpoints(touchpoints: pl.LazyFrame, max_states: int) -> list[str] | None:
-    """The `max_states - 1` commonest touchpoints of the `touchpoints` lists, or None when
-    there are no more than `max_states` (then none is lumped)."""
+def frequent_touchpoints(sums: ReportSums, dimension: str, max_states: int) -> list[str] | None:
+    """The `max_states - 1` commonest touchpoints of `dimension` in journeys of known
+    outcome, or None when there are no more than `max_states` (then none is lumped)."""
     frequent = (
-        touchpoints.select(pl.col("touchpoints").explode().alias("touchpoint"))
-        .group_by("touchpoint")
-        .agg(count=pl.len())
-        .sort(["count", "touchpoint"], descending=[True, False])
-        .collect(engine="streaming")
+        sums["touchpoints"]
+        .filter(pl.col("dimension") == dimension, pl.col("known_events") > 0)
+        .sort(["known_events", "touchpoint"], descending=[True, False])
     )
     if frequent.height <= max_states:
         return None
@@ -371,15 +517,33 @@ def lumped(touchpoints: pl.Expr, keep: list[str] | None) -> pl.Expr:
     """Each list's touchpoints, those not in `keep` as `(other)` (None: all kept)."""
     if keep is None:
         return touchpoints
-    kept = pl.lit(pl.Series(keep, dtype=pl.String)).implode()
-    return touchpoints.list.eval(
-        pl.when(pl.element().is_in(kept.first())).then(pl.element()).otherwise(pl.lit(OTHER))
-    )
+    return touchpoints.list.eval(_lump(pl.element(), keep))
+
+
+def _lump(touchpoint: pl.Expr, keep: list[str] | None) -> pl.Expr:
+    """A touchpoint as itself when kept (or a state of the chain), else `(other)`."""
+    if keep is None:
+        return touchpoint
+    kept = pl.lit(pl.Series([*keep, START, CONVERSION, NULL], dtype=pl.String)).implode()
+    return pl.when(touchpoint.is_in(kept.first())).then(touchpoint).otherwise(pl.lit(OTHER))
 
 
 def markov_attribution(paths: pl.LazyFrame) -> MarkovResult:
     """Fit the chain on `paths` (touchpoints, rare ones lumped, + converted)."""
     return markov_removal_effects(markov_transitions(paths))
+
+
+def markov_of(sums: ReportSums, dimension: str, keep: list[str] | None) -> MarkovResult:
+    """The chain over `dimension`'s touchpoints from the summed transitions, those not in
+    `keep` lumped (a transition into a lumped touchpoint is one into `(other)`)."""
+    transitions = (
+        sums["transitions"]
+        .filter(pl.col("dimension") == dimension)
+        .group_by(_lump(pl.col("from"), keep), _lump(pl.col("to"), keep))
+        .agg(pl.col("count").sum())
+        .sort("from", "to")
+    )
+    return markov_removal_effects(transitions.select("from", "to", "count"))
 
 
 # ----------------------------------------------------------------------------- IG
@@ -455,6 +619,9 @@ class AttributionReport:
     tables: dict[str, pl.DataFrame]
     summary: dict[str, Any]
     figures: dict[str, Figure] = field(default_factory=dict, repr=False)
+    # Each scores file's sums (`report_sums`, a `file` column naming it), kept for the
+    # next report to reuse (`scores_sums`); empty when the report was not built from files.
+    sums: ReportSums = field(default_factory=dict, repr=False)
 
     @property
     def credit(self) -> pl.DataFrame:
@@ -466,33 +633,36 @@ def build_report(
     *,
     trained: TrainedModel | None = None,
     settings: AttributionSettings | None = None,
+    sums: ReportSums | None = None,
 ) -> AttributionReport:
     """Every table, summary fact and figure of the report (nothing written yet).
 
-    Credit, the Markov chain and their plots come once per dimension of `settings.by`
-    (every feature by default); the `credit` and Markov tables hold all of them, told
-    apart by their `dimension` column. A missing value is its own touchpoint, `(none)`.
+    The tables come from `sums` (default: `report_sums(scores)`, the whole frame in
+    memory); `scores` itself is read only for the examples and the journeys that
+    integrated gradients explain. Credit, the Markov chain and their plots come once per
+    dimension of `settings.by` (every feature by default); the `credit` and Markov tables
+    hold all of them, told apart by their `dimension` column. A missing value is its own
+    touchpoint, `(none)`.
     """
     from journeys.config import Attribution
 
     settings = settings or Attribution()
-    schema = scores.collect_schema()
-    features = score_features(schema)
-    constant = [] if settings.by else constant_within_journeys(scores, ["event_type", *features])
+    per_file = sums
+    total = added_up([sums if sums is not None else report_sums(scores)])
+    columns = _ordered_columns(total)
+    constant = [] if settings.by else [c for c in columns if c in constant_columns(total)]
+    features = [c for c in columns if c != "event_type"]
     dimensions = report_dimensions([f for f in features if f not in constant], settings.by)
     if not settings.by:
         dimensions = [d for d in dimensions if d not in constant] or ["event_type"]
-    # All columns stay available (IG re-encodes the journeys); projection pushdown reads
-    # only what each query uses.
-    journeys = scores.with_columns(outcome_expr(schema))
+    journeys = scores.with_columns(outcome_expr(scores.collect_schema()))
     converted = journeys.filter(pl.col("outcome") == CONVERTED)
-    known = journeys.filter(pl.col("outcome") != UNKNOWN)
 
     tables: dict[str, pl.DataFrame] = {
-        f"attention_by_{name}": attention_by(scores, name)
+        f"attention_by_{name}": attention_table(total, name)
         for name in dict.fromkeys(["event_type", *dimensions])
     }
-    tables["attention_by_position"] = attention_by_position(scores, settings.position_cap)
+    tables["attention_by_position"] = position_table(total, settings.position_cap)
 
     summary: dict[str, Any] = {}
     if constant:
@@ -509,25 +679,16 @@ def build_report(
     for dimension in dimensions:
         # Rare touchpoints are lumped into `(other)` beyond `markov_max_states` (the chain
         # solves one system per state), for every method alike, so the columns compare.
-        keep = frequent_touchpoints(
-            known.select(_filled(dimension).alias("touchpoints")), settings.markov_max_states
-        )
-        touchpoints = lumped(_filled(dimension), keep).alias("touchpoints")
-        paths = known.select(touchpoints, converted=pl.col("outcome") == CONVERTED)
-        markov = markov_attribution(paths)
-        on_converted = converted.with_columns(touchpoints)
-        credit = _outer(
-            rule_based_credit(on_converted).lazy(), attention_credit(on_converted).lazy()
-        )
-        credit = _outer(credit, markov.removal.select("touchpoint", "markov").lazy())
+        keep = frequent_touchpoints(total, dimension, settings.markov_max_states)
+        markov = markov_of(total, dimension, keep)
+        credit = credit_table(total, dimension, keep, markov)
         if explained is not None:
             ig_table, explained_journeys = ig_credit(explained, dimension, keep)
-            credit = _outer(credit, ig_table.lazy())
+            credit = _outer(credit.lazy(), ig_table.lazy()).collect()
             summary[f"ig_explained_{dimension}"] = explained_journeys
-        table = credit.collect()
-        methods = [m for m in METHODS if m in table.columns]
+        methods = [m for m in METHODS if m in credit.columns]
         table = (
-            table.with_columns(pl.col(m).fill_null(0.0) for m in methods)
+            credit.with_columns(pl.col(m).fill_null(0.0) for m in methods)
             .select(pl.lit(dimension).alias("dimension"), "touchpoint", *methods)
             .sort("touchpoint")
         )
@@ -541,9 +702,7 @@ def build_report(
     tables["markov_transitions"] = pl.concat(transitions)
     tables["markov_removal_effects"] = pl.concat(removals)
 
-    counts = dict(
-        journeys.group_by("outcome").agg(pl.len()).collect().iter_rows()  # type: ignore[arg-type]
-    )
+    counts = dict(total["outcomes"].iter_rows())
     n_known = counts.get(CONVERTED, 0) + counts.get(NOT_CONVERTED, 0)
     summary = {
         "journeys": sum(counts.values()),
@@ -562,7 +721,7 @@ def build_report(
     )
     if examples.height:
         figures["attention_examples.png"] = plot_examples(examples, EXAMPLE_EVENTS)
-    return AttributionReport(tables, summary, figures)
+    return AttributionReport(tables, summary, figures, per_file or {})
 
 
 def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
@@ -578,6 +737,47 @@ def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
         if frame.height:
             return frame
     return pl.DataFrame()
+
+
+def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> ReportSums:
+    """Each scores file's sums over its journeys ending at or after `since`, a `file`
+    column naming the file (`file_key`): `earlier`'s (the last report's) for a file that
+    has not changed and that the window cuts at the same place (or not at all, then and
+    now), computed afresh for the others in one pass over them."""
+    keys = {file_key(part): part for part in scores_parts(path, since)}
+    reusable = set()
+    if earlier:
+        for key, end, cut in earlier[FILES].select("file", "earliest_end", "since").iter_rows():
+            whole = end is None or ((cut is None or cut <= end) and (since is None or since <= end))
+            if key in keys and (whole or cut == since):
+                reusable.add(key)
+    kept = pl.col("file").is_in(list(reusable))
+    pieces = [{name: table.filter(kept) for name, table in earlier.items()}] if reusable else []
+    fresh = {str(part): key for key, part in keys.items() if key not in reusable}
+    if fresh:
+        frame = pl.scan_parquet(list(fresh), include_file_paths="file").with_columns(
+            pl.col("file").replace_strict(fresh)
+        )
+        ends = frame.group_by("file").agg(
+            earliest_end=pl.col("event_time").list.last().min(),
+            since=pl.lit(since, pl.Datetime("us", "UTC")),
+        )
+        if since is not None:
+            frame = frame.filter(pl.col("event_time").list.last() >= since)
+        pieces.append({FILES: ends.collect(), **report_sums(frame, by=("file",))})
+    return {
+        name: pl.concat([p[name] for p in pieces], how="diagonal_relaxed")
+        for name in (FILES, *SUM_TABLES)
+    }
+
+
+def read_sums(folder: Path) -> ReportSums:
+    """The per-file sums a written report kept (`SUMS_DIR`), or {} (none, or damaged)."""
+    try:
+        names = (FILES, *SUM_TABLES)
+        return {name: pl.read_parquet(folder / SUMS_DIR / f"{name}.parquet") for name in names}
+    except (pl.exceptions.PolarsError, OSError):
+        return {}
 
 
 # In summary.json: the scores' metadata and the settings the report was made from.
@@ -611,6 +811,10 @@ def write_report(report: AttributionReport, out: str | Path) -> Path:
             table.write_csv(staging / f"{name}.csv")
         for name, figure in report.figures.items():
             figure.savefig(staging / name, dpi=120, bbox_inches="tight")
+        if report.sums:
+            (staging / SUMS_DIR).mkdir()
+            for name, table in report.sums.items():
+                table.write_parquet(staging / SUMS_DIR / f"{name}.parquet")
         (staging / SUMMARY_FILE).write_text(json.dumps(report.summary, indent=2, default=str))
     return out
 
@@ -627,8 +831,11 @@ def attribute(
     With `trained` (the model that produced the scores) integrated gradients are added on
     a sample of `settings.ig_sample` converting journeys.
     """
-    frame = scores if isinstance(scores, pl.LazyFrame) else scan_scores(scores)
-    report = build_report(frame, trained=trained, settings=settings)
+    if isinstance(scores, pl.LazyFrame):
+        report = build_report(scores, trained=trained, settings=settings)
+    else:
+        sums = scores_sums(Path(scores), None, {})
+        report = build_report(scan_scores(scores), trained=trained, settings=settings, sums=sums)
     write_report(report, out)
     return report
 
@@ -673,7 +880,9 @@ def attribute_command(
         trained = None
     elif trained is None or trained.model_uri != metadata.get("model_uri"):
         trained = _load_scoring_model(metadata, store)
-    report = build_report(frame, trained=trained, settings=settings)
+    # Only the scores files that changed since the last report are read whole.
+    sums = scores_sums(scores, since, read_sums(out))
+    report = build_report(frame, trained=trained, settings=settings, sums=sums)
     report.summary[MADE_FROM] = made_from
     if since is not None:  # attribution.window
         report.summary["journeys_since"] = since.isoformat()

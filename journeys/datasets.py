@@ -394,6 +394,8 @@ def evaluation_warnings(sizes: dict[str, dict[str, int]]) -> list[str]:
 
 # ----------------------------------------------------------------------------- scores
 
+EVENTS_PROBABILITY = "events_probability"
+
 
 def scores_schema(
     features: list[str],
@@ -408,6 +410,9 @@ def scores_schema(
         "user_id": pl.String(),
         "n_events": pl.Int32(),
         "conversion_probability": pl.Float64(),
+        # The model's probability from the events alone: an open journey's
+        # conversion_probability is it adjusted for the time quiet since (`in_flight`).
+        EVENTS_PROBABILITY: pl.Float64(),
     }
     if causal:
         columns["prefix_probability"] = pl.List(pl.Float64())
@@ -448,12 +453,10 @@ def scores_window_start(path: str | Path, window: timedelta | None) -> datetime 
     return as_of - window if as_of is not None and window is not None else None
 
 
-def scan_scores(path: str | Path, since: datetime | None = None) -> pl.LazyFrame:
-    """Scores written by `journeys score` (a folder of part files or one Parquet file);
-    with `since`, only journeys whose last event is at or after it, and files whose
-    recorded latest event is earlier are not opened at all (a report's cost then stays
-    flat as the history grows)."""
-    path = Path(path)
+def scores_parts(path: Path, since: datetime | None = None) -> list[Path]:
+    """The scores files under `path` (a folder of part files or one file) that hold a
+    journey ending at or after `since` (their recorded latest event tells; at least one
+    file, so an empty window still has the scores' schema)."""
     if path.is_dir():
         parts = sorted(path.glob("*.parquet"))
     elif path.exists():
@@ -462,12 +465,22 @@ def scan_scores(path: str | Path, since: datetime | None = None) -> pl.LazyFrame
         raise InputError(f"scores not found at {path.absolute()}: run `journeys score` first")
     if not parts:
         raise InputError(f"no scores (*.parquet) in {path}: run `journeys score` first")
-    if since is not None:
-        facts = {part: chunk_facts(part) for part in parts}
-        recent = [
-            p for p, f in facts.items() if f is None or datetime.fromisoformat(f["latest"]) >= since
-        ]
-        parts = recent or parts[:1]  # an empty window still has the scores' schema
+    if since is None:
+        return parts
+    facts = {part: chunk_facts(part) for part in parts}
+    recent = [
+        p for p, f in facts.items() if f is None or datetime.fromisoformat(f["latest"]) >= since
+    ]
+    return recent or parts[:1]
+
+
+def scan_scores(path: str | Path, since: datetime | None = None) -> pl.LazyFrame:
+    """Scores written by `journeys score` (a folder of part files or one Parquet file);
+    with `since`, only journeys whose last event is at or after it, and files whose
+    recorded latest event is earlier are not opened at all (a report's cost then stays
+    flat as the history grows)."""
+    path = Path(path)
+    parts = scores_parts(path, since)
     try:
         scores = pl.scan_parquet(parts)
         schema = scores.collect_schema()

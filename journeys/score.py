@@ -5,7 +5,8 @@ JSON + safetensors, never pickle) and writes one row per input journey, censored
 included, with the columns of the scores contract (`journeys.datasets.scores_schema`):
 
     journey_id, user_id, n_events, conversion_probability (float64, temperature-calibrated),
-    event_type, event_time, attention (list[float32], one per event, >= 0, sums to 1),
+    events_probability (before an open journey's quiet-time adjustment), event_type,
+    event_time, attention (list[float32], one per event, >= 0, sums to 1),
     <one list column per model feature>, open, quiet_seconds, as_of, model_uri,
     model_version, scored_at
     (+ label, censored, split, n_events_total when the input has them;
@@ -69,6 +70,7 @@ import polars as pl
 from journeys.config import redact_uri
 from journeys.datasets import (
     CHUNK_KEY,
+    EVENTS_PROBABILITY,
     OPTIONAL_COLUMNS,
     PART_FILE,
     REPORT_FILE,
@@ -88,7 +90,7 @@ from journeys.datasets import (
 )
 from journeys.errors import ConfigError, InputError, first_line
 from journeys.in_flight import cut_at, in_flight_probability, mark_open
-from journeys.storage import atomic_dir, link_or_copy, scratch_dir
+from journeys.storage import atomic_dir, file_key, link_or_copy, scratch_dir
 from journeys.tracking import (
     CHAMPION_ALIAS,
     STAGE_TAG,
@@ -287,9 +289,10 @@ class ScoreChunk:
         kept, frame = reused_rows(frame, self.reuse, self.schema, trained.encoder.event_columns)
         scored = score_frame(
             trained, frame, attention=self.attention, batch_size=self.batch_size, device=device
-        ).with_columns(frame.select("open", "quiet_seconds", SEGMENT, ROW))
-        if trained.quiet_survival is not None:
-            scored = in_flight_probability(scored, trained.quiet_survival)
+        ).with_columns(
+            *frame.select("open", "quiet_seconds", SEGMENT, ROW),
+            pl.col("conversion_probability").alias(EVENTS_PROBABILITY),
+        )
         scored = scored.with_columns(
             pl.lit(self.as_of, UTC_US).alias("as_of"),
             pl.lit(trained.model_uri, pl.String).alias("model_uri"),
@@ -297,6 +300,13 @@ class ScoreChunk:
             pl.lit(self.scored_at, UTC_US).alias("scored_at"),
         ).select(*(pl.col(name).cast(dtype) for name, dtype in self.schema.items()), SEGMENT, ROW)
         scored = pl.concat([scored, kept]).sort(ROW)  # the input's order
+        if trained.quiet_survival is not None:  # how long each open journey has been quiet now
+            scored = in_flight_probability(scored, trained.quiet_survival)
+        # An open journey's probability is tonight's, whether or not the model ran again.
+        scored = scored.with_columns(
+            pl.when("open").then(pl.lit(value, UTC_US)).otherwise(name).alias(name)
+            for name, value in (("as_of", self.as_of), ("scored_at", self.scored_at))
+        )
         segment = scored.get_column(SEGMENT)
         scored = scored.drop(SEGMENT, ROW)
         done = ChunkScored(
@@ -373,7 +383,7 @@ def score_dataset(
     metadata = dict(metadata or {})
     scored_at = datetime.fromisoformat(metadata.get("scored_at") or _now()).astimezone(UTC)
 
-    keys = [part_key(part) for part in parts]
+    keys = [file_key(part) for part in parts]
     rows_of = dict(zip(keys, (count_rows([part]) for part in parts), strict=True))
     facts = {
         "model_uri": trained.model_uri,
@@ -444,11 +454,6 @@ ROW = "_row"  # ... and its place in the chunk
 # `quiet_seconds` and `scored_at` still tell when it was scored).
 
 
-def part_key(path: Path) -> str:
-    stat = path.stat()
-    return f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}"
-
-
 @dataclass(frozen=True)
 class ScoreState:
     """What an earlier scoring left that this one keeps: its files still right, and why
@@ -515,11 +520,11 @@ def score_state(
 def reusable_rows(earlier: ScoreState, into: Path) -> Path | None:
     """The rows of earlier scores files not kept whole (their part changed: last night's
     open journeys, a day rewritten for its split) but scored by the same model, as of no
-    later (`ScoreState.others`), that were not open then: a journey among them that is still
-    the same and still not open need not be scored again (`reused_rows`)."""
+    later (`ScoreState.others`): a journey among them whose events are still the same need
+    not go through the model again (`reused_rows`)."""
     if not earlier.others:
         return None
-    pl.scan_parquet(earlier.others).filter(~pl.col("open")).sink_parquet(into)
+    pl.scan_parquet(earlier.others).sink_parquet(into)
     return into
 
 
@@ -527,8 +532,11 @@ def reused_rows(
     frame: pl.DataFrame, reuse: Path | None, schema: pl.Schema, event_columns: list[str]
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(earlier rows kept, the journeys still to score) of a chunk: an earlier row stands
-    for a journey not open now whose events (as the model reads them) and length are the
-    same; its columns copied from the input (split, label, ...) are taken from it now."""
+    for a journey whose events (as the model reads them) and length are the same. What
+    the model made of its events stands; whether it is open and how long it has been quiet
+    are taken from now, with the columns copied from the input (split, label, ...), and
+    its `conversion_probability` is its `events_probability` until `in_flight_probability`
+    adjusts an open one for its quiet time now."""
     empty = pl.DataFrame(schema={**schema, SEGMENT: pl.Int32, ROW: pl.UInt32})
     if reuse is None or frame.height == 0:
         return empty, frame
@@ -541,7 +549,7 @@ def reused_rows(
     )
     if earlier.height == 0:
         return empty, frame
-    now = frame.filter(~pl.col("open")).select("journey_id", *checked)
+    now = frame.select("journey_id", *checked)
     same = now.join(earlier.select("journey_id", *checked), on="journey_id", suffix="_then")
     unchanged = pl.all_horizontal(
         pl.col(c).eq_missing(pl.col(f"{c}_then")) for c in checked
@@ -550,11 +558,13 @@ def reused_rows(
     if ids.len() == 0:
         return empty, frame
     copied = [name for name in OPTIONAL_COLUMNS if name in schema and name in frame.columns]
+    copied += ["open", "quiet_seconds"]
     fresh = frame.filter(pl.col("journey_id").is_in(ids.implode()))
     kept = (
         earlier.filter(pl.col("journey_id").is_in(ids.implode()))
         .drop(copied)
         .join(fresh.select("journey_id", *copied, SEGMENT, ROW), on="journey_id")
+        .with_columns(conversion_probability=pl.col(EVENTS_PROBABILITY))
         .select(*(pl.col(name).cast(dtype) for name, dtype in schema.items()), SEGMENT, ROW)
     )
     return kept, frame.filter(~pl.col("journey_id").is_in(ids.implode()))

@@ -179,3 +179,11 @@ def link_or_copy(source: Path, target: Path) -> None:
         os.link(source, target)
     except OSError:
         shutil.copy2(source, target)
+
+
+def file_key(path: Path) -> str:
+    """A file's identity for reuse: its name, size and modification time (our outputs
+    are written whole and swapped in, never rewritten in place; a hard link keeps all
+    three)."""
+    stat = path.stat()
+    return f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}"

@@ -3,6 +3,7 @@ attention aggregation, integrated gradients' completeness, the report and its co
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -274,3 +275,76 @@ def test_by_default_credit_is_by_event_type_and_every_feature_with_the_same_touc
         assert lumped[method].sum() == pytest.approx(1.0), method
     for method in ("attention", "linear", "markov"):  # every touch takes a share
         assert lumped.filter(pl.col("touchpoint") == "(other)")[method].item() > 0, method
+
+
+def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each scores file's sums are kept beside the report: the next report reads only the
+    files that changed (a nightly scoring rewrites a few) and equals one built from
+    nothing, also when `attribution.window` cuts into the files."""
+    from polars.testing import assert_frame_equal
+
+    from journeys import attribution
+    from journeys.attribution import attribute_command, read_report
+    from journeys.storage import file_key
+
+    journeys = journeys_folder(tmp_path / "journeys", n=240)
+    model = save_tiny_model(tmp_path / "model", Vocabularies.load(journeys))
+    config = config_for(tmp_path, "score.chunk_journeys=40", "attribution.window=null")
+    score_command(config, model_uri=str(model), input_path=str(journeys))
+    files = sorted((tmp_path / "scores").glob("*.parquet"))
+    assert len(files) == 6
+    attribute_command(config)
+
+    read: list[str] = []
+    report_sums = attribution.report_sums
+
+    def recording(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> dict:
+        read.extend(scores.select(pl.col("file").unique()).collect().get_column("file"))
+        return report_sums(scores, by)
+
+    monkeypatch.setattr(attribution, "report_sums", recording)
+
+    def equal_to_one_from_nothing(settings: object, out: Path) -> None:
+        kept = read_report(tmp_path / "reports")
+        fresh = attribute_command(settings, out=out)  # type: ignore[arg-type]
+        assert kept is not None and sorted(kept.tables) == sorted(fresh.tables)
+        for name, table in fresh.tables.items():
+            assert_frame_equal(kept.tables[name], table, check_dtypes=False, rel_tol=1e-9)
+        assert kept.summary["journeys_by_outcome"] == fresh.summary["journeys_by_outcome"]
+
+    # The next night: one file re-scored (its attention changed), one gone.
+    changed, gone = files[0], files[1]
+    metadata = pl.read_parquet_metadata(changed)
+    scores = pl.read_parquet(changed).with_columns(pl.col("attention").list.reverse())
+    scores.write_parquet(changed, metadata=metadata)
+    gone.unlink()
+    attribute_command(config)
+    assert read == [file_key(changed)]
+    equal_to_one_from_nothing(config, tmp_path / "fresh")
+
+    # A window that starts inside the data: the files it cuts into are read again with
+    # the new cut, those it leaves whole are kept, those before it are not opened.
+    ends = pl.read_parquet(tmp_path / "scores").select(
+        end=pl.col("event_time").list.last(), as_of="as_of"
+    )
+    days = (ends["as_of"].max() - ends["end"].median()).days  # type: ignore[operator]
+    windowed = config_for(tmp_path, "score.chunk_journeys=40", f"attribution.window={days}d")
+    read.clear()
+    attribute_command(windowed)
+    since = ends["as_of"].max() - timedelta(days=days)  # type: ignore[operator]
+    earliest = {
+        file_key(path): pl.read_parquet(path)["event_time"].list.last().min()
+        for path in sorted((tmp_path / "scores").glob("*.parquet"))
+    }
+    cut = {key for key, end in earliest.items() if end < since}
+    assert read and set(read) <= cut, "only files the window cuts into are read again"
+    assert set(earliest) - cut, "some file lies wholly inside the window and is kept"
+    equal_to_one_from_nothing(windowed, tmp_path / "fresh-windowed")
+
+    # The window widened again: the files it had cut are read whole.
+    read.clear()
+    attribute_command(config)
+    assert set(read) == cut
+    equal_to_one_from_nothing(config, tmp_path / "fresh-whole")

@@ -278,28 +278,27 @@ def test_nightly_scoring_keeps_finished_scores_and_equals_scoring_afresh(tmp_pat
     scores = tmp_path / "scores"
     first = score_dataset(trained, journeys, scores, chunk_journeys=30, progress=False)
     assert first.kept == 0
-    kept_shares = []
+    kept_shares, still_open = [], []
     for file in files[25:]:
         shutil.copy2(file, landing / file.name)
-        finished_before = (
-            pl.read_parquet(scores / "*.parquet")
-            .filter(~pl.col("open"))
-            .select("journey_id", "event_type", "event_time", "n_events_total")
+        before = pl.read_parquet(scores / "*.parquet").select(
+            "journey_id", "event_type", "event_time", "n_events_total"
         )
         run_ingest(config)
         nightly = score_dataset(trained, journeys, scores, chunk_journeys=30, progress=False)
-        # Every journey finished last night and unchanged since keeps its row, even when
-        # its part was rewritten (closed tonight, or its day crossed by a split cut).
+        # Every journey unchanged since last night keeps what the model made of its events,
+        # even when its part was rewritten (closed tonight, or its day crossed by a split
+        # cut); an open one only has its probability adjusted for its quiet time now.
         unchanged = (
             pl.read_parquet(scores / "*.parquet")
-            .filter(~pl.col("open"))
-            .join(finished_before, on=["journey_id", "n_events_total"], suffix="_then")
+            .join(before, on=["journey_id", "n_events_total"], suffix="_then")
             .filter(
                 (pl.col("event_type") == pl.col("event_type_then"))
                 & (pl.col("event_time") == pl.col("event_time_then"))
             )
         )
         assert nightly.kept >= unchanged.height > 0
+        still_open.append(int(unchanged.get_column("open").sum()))
         afresh = score_dataset(
             trained, journeys, tmp_path / "afresh", chunk_journeys=30, progress=False,
             keep_earlier=False,
@@ -308,10 +307,11 @@ def test_nightly_scoring_keeps_finished_scores_and_equals_scoring_afresh(tmp_pat
         # Equal, but for float noise: a journey's padding depends on its batch-mates.
         assert_frame_equal(scores_of(scores), scores_of(tmp_path / "afresh"), abs_tol=1e-6)
         kept_shares.append(nightly.kept / nightly.rows)
-        # Open journeys are always scored now: none is among the kept.
+        # Open journeys' probabilities are as of now, kept or scored afresh.
         opened = pl.read_parquet(scores / "*.parquet").filter(pl.col("open"))
         assert opened.get_column("as_of").unique().to_list() == [nightly.as_of]
     assert min(kept_shares) > 0.7  # most journeys were finished and unchanged
+    assert sum(still_open) > 0  # open journeys quiet since were not run through the model
 
     other = save_tiny_model(
         tmp_path / "other", Vocabularies.load(journeys), "journey.max_gap=2d", "model.d_model=32"
@@ -326,7 +326,7 @@ def test_a_booster_champion_rescores_a_night_where_every_journey_kept_its_score(
 ) -> None:
     """A chunk whose journeys all keep their earlier scores leaves nothing to predict: a
     model serving a booster (which refuses to predict on no rows) scores the night anyway,
-    keeping every finished journey and re-scoring only the open ones."""
+    keeping every journey's score (open ones' events are unchanged too)."""
     from test_score import save_tiny_model
 
     from journeys.baselines import BaselineSettings, fit_baseline
@@ -351,8 +351,7 @@ def test_a_booster_champion_rescores_a_night_where_every_journey_kept_its_score(
     again = score_dataset(
         trained, journeys, scores, chunk_journeys=1, progress=False, as_of=first.as_of
     )
-    finished = frame.height - first.open
-    assert finished > 0 and again.kept == finished and again.rows == frame.height
+    assert first.open > 0 and again.kept == again.rows == frame.height
 
 
 # ----------------------------------------------------------------------------- the flow

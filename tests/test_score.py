@@ -507,11 +507,10 @@ def covered_parts(scores: Path) -> dict[str, int]:
 
 def assert_same_scores(got: pl.DataFrame, expected: pl.DataFrame) -> None:
     """Every row and column equal, the model's floats to float precision."""
-    floats = ["conversion_probability", "attention"]
+    floats = ["conversion_probability", "events_probability", "attention"]
     assert got.drop(floats).equals(expected.drop(floats))
-    np.testing.assert_allclose(
-        got["conversion_probability"], expected["conversion_probability"], rtol=1e-5
-    )
+    for probability in floats[:2]:
+        np.testing.assert_allclose(got[probability], expected[probability], rtol=1e-5)
     np.testing.assert_allclose(
         got["attention"].explode(), expected["attention"].explode(), atol=1e-6
     )
