@@ -164,6 +164,7 @@ SUM_COLUMNS = (
 # end and the window cut its sums were taken at.
 ReportSums = dict[str, pl.DataFrame]
 FILES = "files"
+EXPLAINED = "explained"  # also kept: the journeys integrated gradients explained
 
 
 def report_sums(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> ReportSums:
@@ -578,16 +579,41 @@ def normalised_positive(frame: pl.DataFrame | pl.LazyFrame, column: str, out: st
 
 
 def explain_sample(
-    trained: TrainedModel, converted: pl.LazyFrame, sample: int, seed: int
+    trained: TrainedModel,
+    converted: pl.LazyFrame,
+    sample: int,
+    seed: int,
+    earlier: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
-    """A random sample of converting journeys with their `integrated_gradients` lists."""
-    ids = converted.select("journey_id").collect().get_column("journey_id")
-    if ids.len() > sample:
-        ids = ids.sample(sample, seed=seed)
-    frame = converted.filter(pl.col("journey_id").is_in(ids.implode())).collect()
+    """A random sample of `sample` converting journeys with their `integrated_gradients`
+    lists.
+
+    The sample is the journeys whose id hashes lowest (with `seed`): as random as any, and
+    from one night to the next it changes only by the journeys that came or left, so the
+    lists of `earlier` (the last report's sample) stand for every journey whose events
+    and model are the same, and only the newcomers are explained now."""
+    ids = converted.select("journey_id").collect()
+    if ids.height > sample:
+        ids = ids.bottom_k(sample, by=pl.col("journey_id").hash(seed))
+    frame = converted.filter(pl.col("journey_id").is_in(ids.get_column("journey_id").implode()))
+    frame = frame.collect()
     if frame.height == 0:
         return frame.with_columns(integrated_gradients=pl.lit(None, pl.List(pl.Float32)))
-    return frame.with_columns(integrated_gradients_frame(trained, frame))
+    same = ["journey_id", "event_type", "event_time", "model_uri", "model_version"]
+    same = [c for c in same if c in frame.columns]
+    kept = pl.DataFrame()
+    if earlier is not None and set(same) <= set(earlier.columns):
+        kept = frame.join(
+            earlier.select(*same, "integrated_gradients"), on=same, how="inner", nulls_equal=True
+        )
+    todo = (
+        frame.join(kept.select(same), on=same, how="anti", nulls_equal=True)
+        if kept.height
+        else frame
+    )
+    if todo.height:
+        todo = todo.with_columns(integrated_gradients_frame(trained, todo))
+    return pl.concat([kept, todo], how="diagonal_relaxed").sort("journey_id")
 
 
 def ig_credit(
@@ -619,8 +645,8 @@ class AttributionReport:
     tables: dict[str, pl.DataFrame]
     summary: dict[str, Any]
     figures: dict[str, Figure] = field(default_factory=dict, repr=False)
-    # Each scores file's sums (`report_sums`, a `file` column naming it), kept for the
-    # next report to reuse (`scores_sums`); empty when the report was not built from files.
+    # Kept for the next report (`SUMS_DIR`): each scores file's sums (`scores_sums`) and
+    # the journeys integrated gradients explained; empty when not built from files.
     sums: ReportSums = field(default_factory=dict, repr=False)
 
     @property
@@ -639,7 +665,8 @@ def build_report(
 
     The tables come from `sums` (default: `report_sums(scores)`, the whole frame in
     memory); `scores` itself is read only for the examples and the journeys that
-    integrated gradients explain. Credit, the Markov chain and their plots come once per
+    integrated gradients explain (those `sums` holds as `EXPLAINED` are not explained
+    again). Credit, the Markov chain and their plots come once per
     dimension of `settings.by` (every feature by default); the `credit` and Markov tables
     hold all of them, told apart by their `dimension` column. A missing value is its own
     touchpoint, `(none)`.
@@ -647,7 +674,6 @@ def build_report(
     from journeys.config import Attribution
 
     settings = settings or Attribution()
-    per_file = sums
     total = added_up([sums if sums is not None else report_sums(scores)])
     columns = _ordered_columns(total)
     constant = [] if settings.by else [c for c in columns if c in constant_columns(total)]
@@ -671,7 +697,8 @@ def build_report(
     if trained is not None and settings.ig_sample > 0:
         from journeys.inference import IG_STEPS
 
-        explained = explain_sample(trained, converted, settings.ig_sample, settings.seed)
+        before = sums.get(EXPLAINED) if sums else None
+        explained = explain_sample(trained, converted, settings.ig_sample, settings.seed, before)
         summary |= {"ig_sample": explained.height, "ig_steps": IG_STEPS}
 
     credits, transitions, removals, figures = [], [], [], {}
@@ -721,7 +748,11 @@ def build_report(
     )
     if examples.height:
         figures["attention_examples.png"] = plot_examples(examples, EXAMPLE_EVENTS)
-    return AttributionReport(tables, summary, figures, per_file or {})
+    kept: ReportSums = {}
+    if sums is not None:  # built from files: what the next report can reuse
+        kept = {name: sums[name] for name in (FILES, *SUM_TABLES)}
+        kept |= {EXPLAINED: explained} if explained is not None else {}
+    return AttributionReport(tables, summary, figures, kept)
 
 
 def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
@@ -752,7 +783,8 @@ def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> Repo
             if key in keys and (whole or cut == since):
                 reusable.add(key)
     kept = pl.col("file").is_in(list(reusable))
-    pieces = [{name: table.filter(kept) for name, table in earlier.items()}] if reusable else []
+    tables = (FILES, *SUM_TABLES)
+    pieces = [{name: earlier[name].filter(kept) for name in tables}] if reusable else []
     fresh = {str(part): key for key, part in keys.items() if key not in reusable}
     if fresh:
         frame = pl.scan_parquet(list(fresh), include_file_paths="file").with_columns(
@@ -765,17 +797,18 @@ def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> Repo
         if since is not None:
             frame = frame.filter(pl.col("event_time").list.last() >= since)
         pieces.append({FILES: ends.collect(), **report_sums(frame, by=("file",))})
-    return {
-        name: pl.concat([p[name] for p in pieces], how="diagonal_relaxed")
-        for name in (FILES, *SUM_TABLES)
-    }
+    return {name: pl.concat([p[name] for p in pieces], how="diagonal_relaxed") for name in tables}
 
 
 def read_sums(folder: Path) -> ReportSums:
-    """The per-file sums a written report kept (`SUMS_DIR`), or {} (none, or damaged)."""
+    """What a written report kept for the next (`SUMS_DIR`): its per-file sums and, when
+    there was one, its explained sample (`EXPLAINED`); {} when none, or damaged."""
     try:
         names = (FILES, *SUM_TABLES)
-        return {name: pl.read_parquet(folder / SUMS_DIR / f"{name}.parquet") for name in names}
+        kept = {name: pl.read_parquet(folder / SUMS_DIR / f"{name}.parquet") for name in names}
+        if (folder / SUMS_DIR / f"{EXPLAINED}.parquet").exists():
+            kept[EXPLAINED] = pl.read_parquet(folder / SUMS_DIR / f"{EXPLAINED}.parquet")
+        return kept
     except (pl.exceptions.PolarsError, OSError):
         return {}
 
@@ -881,7 +914,10 @@ def attribute_command(
     elif trained is None or trained.model_uri != metadata.get("model_uri"):
         trained = _load_scoring_model(metadata, store)
     # Only the scores files that changed since the last report are read whole.
-    sums = scores_sums(scores, since, read_sums(out))
+    earlier = read_sums(out)
+    sums = scores_sums(scores, since, earlier)
+    if EXPLAINED in earlier:
+        sums[EXPLAINED] = earlier[EXPLAINED]
     report = build_report(frame, trained=trained, settings=settings, sums=sums)
     report.summary[MADE_FROM] = made_from
     if since is not None:  # attribution.window
