@@ -16,7 +16,12 @@ take in) into folders of its own:
   `journeys score --model <the model>` (wall time: interpreter start, imports and model
   loading included), against `journeys ingest --full` and `journeys score`;
 - **the work alone**: in a child process that reports its work time (imports excluded)
-  and its peak memory.
+  and its peak memory: ingest, scoring and the attribution report `journeys score` writes
+  after it (the nightly one reads only the scores files that changed, `_sums/`), and the
+  monitor's night beside them.
+
+Each night, nightly and rebuild alike, writes its report into its own folders, as a
+deployment does.
 
 The model has the default architecture with random weights and, as a run's champion
 often does, a stack head (`hgb_aggregates` fitted on the first night's labelled journeys:
@@ -38,6 +43,8 @@ Data and folders live under data/bench/daily/ (git-ignored).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -105,8 +112,9 @@ def make_days(users: int, days: int) -> int:
 
 
 def night(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]:
-    """One ingest + scoring (+ the monitor, on a nightly run): their work times (s) and
-    what they did."""
+    """One ingest + scoring with its attribution report, as `journeys score` writes it
+    (+ the monitor, on a nightly run): their work times (s) and what they did."""
+    from journeys.attribution import attribute_command
     from journeys.ingest import run_ingest
     from journeys.monitor import monitor
     from journeys.score import score_dataset
@@ -120,12 +128,17 @@ def night(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]
     scored = score_dataset(
         trained, config.paths.journeys, config.paths.scores, progress=False,
         chunk_journeys=config.score.chunk_journeys, keep_earlier=not full,
+        metadata={"model_uri": trained.model_uri, "model_version": trained.model_version},
     )  # fmt: skip
+    scored_at = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):  # the report prints its credit tables
+        attribute_command(config, trained=trained)
     done = time.perf_counter()
     alerts = 0 if full else len(monitor(config, trained).alerts)
     return {
         "ingest_s": ingested - started,
-        "score_s": done - ingested,
+        "score_s": scored_at - ingested,
+        "report_s": done - scored_at,
         "monitor_s": 0.0 if full else time.perf_counter() - done,
         "alerts": alerts,
         "rows_read": report.ingest.rows_read,
@@ -143,7 +156,11 @@ def peak_mb() -> float:
 
 
 def child(args: argparse.Namespace) -> None:
-    import journeys.encoding  # noqa: F401  (imports before the clock, as in the parent)
+    # Imports before the clock: the parent's, and the plotting library the report and
+    # the monitor share (a process imports it once, whichever step comes first).
+    import matplotlib.pyplot  # noqa: F401
+
+    import journeys.encoding  # noqa: F401
 
     result = night(Path(args.landing), Path(args.out), Path(args.model), args.child == "full")
     print(json.dumps({**result, "peak_mb": peak_mb()}))
@@ -171,6 +188,7 @@ def as_scheduled(landing: Path, out: Path, model: Path, full: bool) -> dict[str,
         f"paths.journeys={out / 'journeys'}",
         f"paths.quarantine={out / 'quarantine'}",
         f"paths.scores={out / 'scores'}",
+        f"paths.reports={out / 'reports'}",
         f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
     ]
     sets = [arg for setting in settings for arg in ("--set", setting)]
@@ -268,7 +286,8 @@ def main() -> None:
             result = night(landing, nightly, model, full=False)
             print(
                 f"day {day:3d}: ingest {result['ingest_s']:5.2f} s, score "
-                f"{result['score_s']:5.2f} s ({result['scored_now']:,} scored now), monitor "
+                f"{result['score_s']:5.2f} s ({result['scored_now']:,} scored now), report "
+                f"{result['report_s']:5.2f} s, monitor "
                 f"{result['monitor_s']:5.2f} s ({result['alerts']} alerts)",
                 flush=True,
             )
@@ -295,18 +314,20 @@ def main() -> None:
 
     table = [
         "| day | as scheduled: nightly / full rebuild (processes) | ratio | work alone: nightly "
-        "ingest + score (scored now) | full rebuild: ingest + score | ratio "
+        "ingest + score + report (scored now) | full rebuild: ingest + score + report | ratio "
         "| peak memory nightly / full | equal | monitor (work alone) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for day, inc, reb, equal in rows:
-        n_total, f_total = inc["ingest_s"] + inc["score_s"], reb["ingest_s"] + reb["score_s"]
+        steps = ("ingest_s", "score_s", "report_s")
+        n_total, f_total = sum(inc[s] for s in steps), sum(reb[s] for s in steps)
         n_proc, f_proc = inc["processes_s"], reb["processes_s"]
         table.append(
             f"| {day} | {n_proc:.1f} s / {f_proc:.1f} s | **{n_proc / f_proc:.3f}x** "
-            f"| {inc['ingest_s']:.1f} + {inc['score_s']:.1f} = {n_total:.1f} s "
-            f"({inc['scored_now']:,} of {reb['journeys']:,}) | {reb['ingest_s']:.1f} + "
-            f"{reb['score_s']:.1f} = {f_total:.1f} s | {n_total / f_total:.3f}x | "
+            f"| {' + '.join(f'{inc[s]:.1f}' for s in steps)} = {n_total:.1f} s "
+            f"({inc['scored_now']:,} of {reb['journeys']:,}) | "
+            f"{' + '.join(f'{reb[s]:.1f}' for s in steps)} = {f_total:.1f} s | "
+            f"{n_total / f_total:.3f}x | "
             f"{inc['peak_mb']:,.0f} / {reb['peak_mb']:,.0f} MB | {'yes' if equal else 'NO'} "
             f"| {inc['monitor_s']:.1f} s ({inc['monitor_s'] / n_total:.0%} of the night's work, "
             f"{inc['alerts']:.0f} alerts) |"
@@ -323,8 +344,10 @@ def main() -> None:
             "ingest` (incremental) and `journeys score` (finished journeys keep their scores), "
             "against a full rebuild of the same files (less the late-quarantined rows) in "
             "folders of its own. As scheduled: the two commands as processes (imports and "
-            "loading the model, a stack with its booster, included); work alone: in a child "
-            "process (imports excluded), with its peak RSS. Target: day "
+            "loading the model, a stack with its booster, included), each in its own folders, "
+            "the attribution report too; work alone: in a child process (imports excluded), "
+            "ingest, scoring and the attribution report `journeys score` writes, with its "
+            "peak RSS; the monitor beside them. Target: day "
             f"{args.checkpoints[-1]} <= {TARGET}x as scheduled, flat from the first "
             "checkpoint on.",
             "",

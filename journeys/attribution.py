@@ -149,6 +149,7 @@ def _filled(column: str) -> pl.Expr:
 # the shares are decided after adding up, on the whole window.
 
 SUMS_DIR = "_sums"  # in the report folder: per scores file, what the report adds up
+SUMS_VERSION = 1  # raise when what a file's sums hold changes: older ones are not reused
 SUM_TABLES = ("outcomes", "varies", "attention", "positions", "touchpoints", "transitions")
 SUM_COLUMNS = (
     "events",
@@ -294,19 +295,13 @@ def _outer(left: pl.LazyFrame, right: pl.LazyFrame) -> pl.LazyFrame:
     return left.join(right, on="touchpoint", how="full", coalesce=True)
 
 
-def constant_columns(sums: ReportSums) -> list[str]:
-    """List columns with one value throughout every journey (a device per user, a price
-    list aside): credit by them would only restate which journeys converted, so the
-    default breakdown skips them (`attribution.by` can still name them)."""
-    varies = sums["varies"]
-    return [c for c, v in varies.select("column", "varies").iter_rows() if not v]
-
-
-def _ordered_columns(sums: ReportSums) -> list[str]:
-    """The list columns of the sums, event_type first, then the features in their order
-    in the scores (the order the `varies` rows came in)."""
-    names = sums["varies"].get_column("column").to_list()
-    return ["event_type", *[n for n in names if n != "event_type"]]
+def constant_columns(sums: ReportSums, columns: list[str]) -> list[str]:
+    """Of `columns`, those with one value throughout every journey (a device per user, a
+    price list aside; every one when there is no journey): credit by them would only
+    restate which journeys converted, so the default breakdown skips them
+    (`attribution.by` can still name them)."""
+    varies = dict(sums["varies"].select("column", "varies").iter_rows())
+    return [column for column in columns if not varies.get(column)]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -599,8 +594,11 @@ def explain_sample(
     frame = frame.collect()
     if frame.height == 0:
         return frame.with_columns(integrated_gradients=pl.lit(None, pl.List(pl.Float32)))
-    same = ["journey_id", "event_type", "event_time", "model_uri", "model_version"]
-    same = [c for c in same if c in frame.columns]
+    # The same journey, events and model: every list column the model reads, as scoring's
+    # `reused_rows` checks.
+    lists = ["event_type", "event_time", *score_features(frame.schema)]
+    same = ["journey_id", *lists, "n_events_total", "model_uri", "model_version"]
+    same = [c for c in dict.fromkeys(same) if c in frame.columns]
     kept = pl.DataFrame()
     if earlier is not None and set(same) <= set(earlier.columns):
         kept = frame.join(
@@ -675,9 +673,8 @@ def build_report(
 
     settings = settings or Attribution()
     total = added_up([sums if sums is not None else report_sums(scores)])
-    columns = _ordered_columns(total)
-    constant = [] if settings.by else [c for c in columns if c in constant_columns(total)]
-    features = [c for c in columns if c != "event_type"]
+    features = score_features(scores.collect_schema())
+    constant = [] if settings.by else constant_columns(total, ["event_type", *features])
     dimensions = report_dimensions([f for f in features if f not in constant], settings.by)
     if not settings.by:
         dimensions = [d for d in dimensions if d not in constant] or ["event_type"]
@@ -793,6 +790,7 @@ def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> Repo
         ends = frame.group_by("file").agg(
             earliest_end=pl.col("event_time").list.last().min(),
             since=pl.lit(since, pl.Datetime("us", "UTC")),
+            version=pl.lit(SUMS_VERSION),
         )
         if since is not None:
             frame = frame.filter(pl.col("event_time").list.last() >= since)
@@ -808,9 +806,10 @@ def read_sums(folder: Path) -> ReportSums:
         kept = {name: pl.read_parquet(folder / SUMS_DIR / f"{name}.parquet") for name in names}
         if (folder / SUMS_DIR / f"{EXPLAINED}.parquet").exists():
             kept[EXPLAINED] = pl.read_parquet(folder / SUMS_DIR / f"{EXPLAINED}.parquet")
-        return kept
+        versions = kept[FILES].get_column("version").unique().to_list()
     except (pl.exceptions.PolarsError, OSError):
         return {}
+    return kept if versions == [SUMS_VERSION] else {}  # another layout: built afresh
 
 
 # In summary.json: the scores' metadata and the settings the report was made from.
@@ -931,8 +930,9 @@ def attribute_command(
     if run_id:  # into the scoring run, when the store is there
         with mlflow_run(store, config.mlflow.experiment, run_id=run_id, optional=True) as run:
             try:
-                if run:
-                    run.log_artifacts(out, "attribution")
+                for path in sorted(out.iterdir()) if run else []:
+                    if path.is_file():  # the report, not the folders kept beside it
+                        run.log_artifact(path, "attribution")
             except Exception as err:  # the report is written; logging is a bonus
                 _warn(f"could not log the report to MLflow run {run_id}: {first_line(err)}")
     return report

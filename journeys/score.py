@@ -222,7 +222,7 @@ class ScoreResult:
     as_of: datetime | None = None  # the moment the journeys were scored as of
     open: int = 0  # journeys still open then
     not_started: int = 0  # input journeys that had no event by `as_of`: not scored
-    kept: int = 0  # finished journeys whose earlier scores stand (nothing changed)
+    kept: int = 0  # journeys whose earlier model output stands (their events did not change)
     why_not_kept: str | None = None
     trained: TrainedModel | None = field(default=None, repr=False)  # the model that scored
 
@@ -263,7 +263,7 @@ class ScoreChunk:
     batch_size: int = 1024
     torch_threads: int | None = None
     held: tuple[list, ...] = ()  # each chunk's `segments`: what of which parts it holds
-    reuse: Path | None = None  # earlier rows of finished journeys (`reusable_rows`)
+    reuse: Path | None = None  # earlier rows whose model output may stand (`reusable_rows`)
 
     def paths(self) -> list[Path]:
         """The folders and files a worker reads and writes (it must see them here)."""
@@ -286,7 +286,14 @@ class ScoreChunk:
         frame = mark_open(
             cut_at(read, self.as_of, trained.encoder.event_columns), self.as_of, trained.max_gap
         ).with_row_index(ROW)
-        kept, frame = reused_rows(frame, self.reuse, self.schema, trained.encoder.event_columns)
+        kept, frame = reused_rows(
+            frame,
+            self.reuse,
+            self.schema,
+            trained.encoder.event_columns,
+            self.as_of,
+            self.scored_at,
+        )
         scored = score_frame(
             trained, frame, attention=self.attention, batch_size=self.batch_size, device=device
         ).with_columns(
@@ -302,11 +309,6 @@ class ScoreChunk:
         scored = pl.concat([scored, kept]).sort(ROW)  # the input's order
         if trained.quiet_survival is not None:  # how long each open journey has been quiet now
             scored = in_flight_probability(scored, trained.quiet_survival)
-        # An open journey's probability is tonight's, whether or not the model ran again.
-        scored = scored.with_columns(
-            pl.when("open").then(pl.lit(value, UTC_US)).otherwise(name).alias(name)
-            for name, value in (("as_of", self.as_of), ("scored_at", self.scored_at))
-        )
         segment = scored.get_column(SEGMENT)
         scored = scored.drop(SEGMENT, ROW)
         done = ChunkScored(
@@ -475,7 +477,7 @@ def score_state(
     """The files of an earlier scoring of `out` that still hold the right scores."""
     if not out.is_dir():
         return ScoreState(why_not="no earlier scores")
-    candidates, usable, models = {}, [], set()
+    candidates, usable, models, other_columns = {}, [], set(), False
     for path in parquet_parts(out):
         chunk = chunk_facts(path)
         if chunk is None:  # not a scores file of ours: scored afresh, and replaced
@@ -484,7 +486,9 @@ def score_state(
         models.add(model)
         same = all(chunk[name] == value for name, value in facts.items())
         earlier_as_of = datetime.fromisoformat(chunk["as_of"])
-        if not (same and as_of >= earlier_as_of and pl.read_parquet_schema(path) == schema):
+        columns_same = pl.read_parquet_schema(path) == schema
+        other_columns |= same and not columns_same
+        if not (same and as_of >= earlier_as_of and columns_same):
             continue
         usable.append(path)
         if chunk["open"] == 0 and datetime.fromisoformat(chunk["latest"]) <= earlier_as_of:
@@ -507,11 +511,14 @@ def score_state(
     why = None
     if not candidates:
         now = f"{facts['model_uri']} v{facts['model_version']}"
-        why = (
-            f"the model changed (now {now}): every journey re-scored"
-            if models and (facts["model_uri"], facts["model_version"]) not in models
-            else "nothing finished to keep"
-        )
+        if models and (facts["model_uri"], facts["model_version"]) not in models:
+            why = f"the model changed (now {now}): every journey re-scored"
+        elif other_columns:
+            why = (
+                "the scores' columns changed (another version of journeys): every journey re-scored"
+            )
+        else:
+            why = "nothing finished to keep"
     rows = sum(c["rows"] for c in candidates.values())
     others = [path for path in usable if path not in candidates]
     return ScoreState(sorted(candidates), frozenset(whole), rows, why, others)
@@ -529,14 +536,20 @@ def reusable_rows(earlier: ScoreState, into: Path) -> Path | None:
 
 
 def reused_rows(
-    frame: pl.DataFrame, reuse: Path | None, schema: pl.Schema, event_columns: list[str]
+    frame: pl.DataFrame,
+    reuse: Path | None,
+    schema: pl.Schema,
+    event_columns: list[str],
+    as_of: datetime,
+    scored_at: datetime,
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(earlier rows kept, the journeys still to score) of a chunk: an earlier row stands
     for a journey whose events (as the model reads them) and length are the same. What
-    the model made of its events stands; whether it is open and how long it has been quiet
-    are taken from now, with the columns copied from the input (split, label, ...), and
-    its `conversion_probability` is its `events_probability` until `in_flight_probability`
-    adjusts an open one for its quiet time now."""
+    the model made of its events stands, with the columns copied from the input now
+    (split, label, ...) and whether it is open now; its `conversion_probability` is its
+    `events_probability` until `in_flight_probability` adjusts an open one for its quiet
+    time. A row open now or then is worked out as of now (`as_of`, `quiet_seconds`,
+    `scored_at`); one finished then and now keeps those, which say when it was scored."""
     empty = pl.DataFrame(schema={**schema, SEGMENT: pl.Int32, ROW: pl.UInt32})
     if reuse is None or frame.height == 0:
         return empty, frame
@@ -558,13 +571,20 @@ def reused_rows(
     if ids.len() == 0:
         return empty, frame
     copied = [name for name in OPTIONAL_COLUMNS if name in schema and name in frame.columns]
-    copied += ["open", "quiet_seconds"]
     fresh = frame.filter(pl.col("journey_id").is_in(ids.implode()))
+    now = fresh.select("journey_id", *copied, "open", "quiet_seconds", SEGMENT, ROW)
+    as_of_now = pl.col("open") | pl.col("open_then")
     kept = (
         earlier.filter(pl.col("journey_id").is_in(ids.implode()))
         .drop(copied)
-        .join(fresh.select("journey_id", *copied, SEGMENT, ROW), on="journey_id")
-        .with_columns(conversion_probability=pl.col(EVENTS_PROBABILITY))
+        .join(now, on="journey_id", suffix="_now")
+        .rename({"open": "open_then", "open_now": "open"})
+        .with_columns(
+            conversion_probability=pl.col(EVENTS_PROBABILITY),
+            quiet_seconds=pl.when(as_of_now).then("quiet_seconds_now").otherwise("quiet_seconds"),
+            as_of=pl.when(as_of_now).then(pl.lit(as_of, UTC_US)).otherwise("as_of"),
+            scored_at=pl.when(as_of_now).then(pl.lit(scored_at, UTC_US)).otherwise("scored_at"),
+        )
         .select(*(pl.col(name).cast(dtype) for name, dtype in schema.items()), SEGMENT, ROW)
     )
     return kept, frame.filter(~pl.col("journey_id").is_in(ids.implode()))
@@ -872,10 +892,11 @@ def _print_summary(result: ScoreResult) -> None:
     )
     if result.kept:
         print(
-            f"  {result.kept:,} finished journeys kept their earlier scores (nothing in them "
-            f"changed); {result.rows - result.kept:,} scored now"
+            f"  {result.kept:,} journeys kept what the model made of them (their events did "
+            f"not change; open ones adjusted for their quiet time); "
+            f"{result.rows - result.kept:,} scored now"
         )
-    elif result.why_not_kept and result.why_not_kept.startswith("the model changed"):
+    elif result.why_not_kept and "re-scored" in result.why_not_kept:
         print(f"  {result.why_not_kept}")
     if result.as_of is not None:
         print(

@@ -288,6 +288,8 @@ def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_cha
 
     from journeys import attribution
     from journeys.attribution import attribute_command, read_report
+    from journeys.config import Attribution
+    from journeys.datasets import scan_scores
     from journeys.storage import file_key
 
     journeys = journeys_folder(tmp_path / "journeys", n=240)
@@ -325,15 +327,24 @@ def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_cha
             assert_frame_equal(kept.tables[name], table, check_dtypes=False, rel_tol=1e-5)
         assert kept.summary["journeys_by_outcome"] == fresh.summary["journeys_by_outcome"]
 
-    # The next night: one file re-scored (its attention changed), one gone.
-    changed, gone = files[0], files[1]
+    # The next night: one file re-scored (its attention changed, and one converting
+    # journey's channels: the model reads them), one gone.
+    converting = (pl.col("label") == 1) & ~pl.col("censored")
+    changed = next(f for f in files if pl.read_parquet(f).filter(converting).height)
+    gone = next(f for f in files if f != changed)
     metadata = pl.read_parquet_metadata(changed)
     scores = pl.read_parquet(changed).with_columns(pl.col("attention").list.reverse())
+    moved = scores.filter(converting).get_column("journey_id")[0]
+    scores = scores.with_columns(
+        channel=pl.when(pl.col("journey_id") == moved)
+        .then(pl.col("channel").list.eval(pl.lit("email")))
+        .otherwise("channel")
+    )
     scores.write_parquet(changed, metadata=metadata)
     gone.unlink()
     attribute_command(config)
     assert read == [file_key(changed)]
-    assert explained == []  # the same journeys (less the gone file's): none explained again
+    assert explained == [moved]  # the others are the same journeys, explained before
     equal_to_one_from_nothing(config, tmp_path / "fresh")
 
     # A window that starts inside the data: the files it cuts into are read again with
@@ -355,6 +366,16 @@ def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_cha
     assert set(earliest) - cut, "some file lies wholly inside the window and is kept"
     equal_to_one_from_nothing(windowed, tmp_path / "fresh-windowed")
 
+    # A window with no journey in it (scores read later than the data), by a named feature.
+    empty = build_report(
+        scan_scores(tmp_path / "scores"),
+        sums=attribution.scores_sums(
+            tmp_path / "scores", ends["as_of"].max() + timedelta(days=1), {}
+        ),  # type: ignore[operator]
+        settings=Attribution(by=["channel"], ig_sample=0),
+    )
+    assert empty.summary["journeys"] == 0 and "note" in empty.summary
+
     # The window widened again: the files it had cut are read whole, and the converting
     # journeys that come back into the sample are explained again (they left it).
     read.clear()
@@ -366,3 +387,8 @@ def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_cha
     )
     assert sorted(explained) == sorted(back.get_column("journey_id")) != []
     equal_to_one_from_nothing(config, tmp_path / "fresh-whole")
+
+    # Sums kept by another version of journeys (another layout) are not reused.
+    files_kept = tmp_path / "reports" / "_sums" / "files.parquet"
+    pl.read_parquet(files_kept).drop("version").write_parquet(files_kept)
+    assert attribution.read_sums(tmp_path / "reports") == {}

@@ -307,9 +307,13 @@ def test_nightly_scoring_keeps_finished_scores_and_equals_scoring_afresh(tmp_pat
         # Equal, but for float noise: a journey's padding depends on its batch-mates.
         assert_frame_equal(scores_of(scores), scores_of(tmp_path / "afresh"), abs_tol=1e-6)
         kept_shares.append(nightly.kept / nightly.rows)
-        # Open journeys' probabilities are as of now, kept or scored afresh.
-        opened = pl.read_parquet(scores / "*.parquet").filter(pl.col("open"))
+        # Open journeys' probabilities are as of now, kept or scored afresh; every row's
+        # quiet time is that of its own as_of.
+        rows = pl.read_parquet(scores / "*.parquet")
+        opened = rows.filter(pl.col("open"))
         assert opened.get_column("as_of").unique().to_list() == [nightly.as_of]
+        quiet = (pl.col("as_of") - pl.col("event_time").list.last()).dt.total_seconds()
+        assert rows.filter((quiet - pl.col("quiet_seconds")).abs() > 1e-3).height == 0
     assert min(kept_shares) > 0.7  # most journeys were finished and unchanged
     assert sum(still_open) > 0  # open journeys quiet since were not run through the model
 
