@@ -170,7 +170,7 @@ EXPLAINED = "explained"  # also kept: the journeys integrated gradients explaine
 
 def report_sums(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> ReportSums:
     """The additive tables of the report over `scores`, per value of the `by` columns
-    (`("file",)`: per scores file), computed in one pass of queries.
+    (`("file",)`: per scores file).
 
     `outcomes`: journeys per outcome; `varies`:
     whether each list column takes more than one value within some journey; `attention`:
@@ -235,15 +235,20 @@ def report_sums(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> ReportSums:
         .select(*keys, pl.lit(column).alias("column"), "varies")
         for column in columns
     ]
+    # One query at a time, each streamed: together they would hold every file's exploded
+    # lists at once (4x the memory on a 90-day window).
     queries = {
-        "outcomes": journeys.group_by(*keys, "outcome").agg(journeys=pl.len()),
-        "varies": pl.concat(varies),
-        "attention": pl.concat([by_value(c) for c in columns]),
-        "positions": positions,
-        "touchpoints": pl.concat([by_touchpoint(c) for c in columns], how="diagonal_relaxed"),
-        "transitions": pl.concat([transitions(c) for c in columns]),
+        "outcomes": [journeys.group_by(*keys, "outcome").agg(journeys=pl.len())],
+        "varies": varies,
+        "attention": [by_value(c) for c in columns],
+        "positions": [positions],
+        "touchpoints": [by_touchpoint(c) for c in columns],
+        "transitions": [transitions(c) for c in columns],
     }
-    return dict(zip(queries, pl.collect_all(queries.values(), engine="streaming"), strict=True))
+    return {
+        name: pl.concat([q.collect(engine="streaming") for q in parts], how="diagonal_relaxed")
+        for name, parts in queries.items()
+    }
 
 
 def added_up(sums: list[ReportSums]) -> ReportSums:
@@ -782,11 +787,12 @@ def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> Repo
     kept = pl.col("file").is_in(list(reusable))
     tables = (FILES, *SUM_TABLES)
     pieces = [{name: earlier[name].filter(kept) for name in tables}] if reusable else []
-    fresh = {str(part): key for key, part in keys.items() if key not in reusable}
+    fresh = [(str(part), key) for key, part in keys.items() if key not in reusable]
     if fresh:
-        frame = pl.scan_parquet(list(fresh), include_file_paths="file").with_columns(
-            pl.col("file").replace_strict(fresh)
-        )
+        # Files by number while the events are exploded, by key in what is kept.
+        numbers = {path: i for i, (path, _) in enumerate(fresh)}
+        frame = pl.scan_parquet([path for path, _ in fresh], include_file_paths="file")
+        frame = frame.with_columns(pl.col("file").replace_strict(numbers, return_dtype=pl.UInt32))
         ends = frame.group_by("file").agg(
             earliest_end=pl.col("event_time").list.last().min(),
             since=pl.lit(since, pl.Datetime("us", "UTC")),
@@ -794,7 +800,9 @@ def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> Repo
         )
         if since is not None:
             frame = frame.filter(pl.col("event_time").list.last() >= since)
-        pieces.append({FILES: ends.collect(), **report_sums(frame, by=("file",))})
+        named = pl.col("file").replace_strict(dict(enumerate(key for _, key in fresh)))
+        sums = {FILES: ends.collect(), **report_sums(frame, by=("file",))}
+        pieces.append({name: table.with_columns(named) for name, table in sums.items()})
     return {name: pl.concat([p[name] for p in pieces], how="diagonal_relaxed") for name in tables}
 
 
