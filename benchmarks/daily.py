@@ -5,8 +5,8 @@ CSV per day, as an export lands each night. 2% of the rows arrive one or two day
 (within `ingest.late_allowed`, 3 days: they land where a full rebuild puts them) and 0.05%
 five days late (quarantined as `late`). From day 1, every night copies that day's file
 into the landing folder and runs `journeys ingest` (incremental) and `journeys score`
-(keeping the earlier scores of finished journeys), with a random model of the default
-architecture (speed does not depend on trained weights).
+(journeys whose events did not change keep their model output), with a random model of
+the default architecture (speed does not depend on trained weights).
 
 At the checkpoint days (30, 60, 90) the night is measured twice, and so is a full
 rebuild of the same files (less the rows quarantined as late, which a full rebuild would
@@ -341,7 +341,8 @@ def main() -> None:
             f"{' '.join(map(str, args.checkpoints))}` on {machine()}. Day files as they land "
             f"({LATE_SHARE:.0%} of rows 1-2 days late, {VERY_LATE_SHARE:.2%} "
             f"{VERY_LATE_DAYS} days late: quarantined as `late`); every night `journeys "
-            "ingest` (incremental) and `journeys score` (finished journeys keep their scores), "
+            "ingest` (incremental) and `journeys score` (journeys whose events did not change keep "
+            "their model output), "
             "against a full rebuild of the same files (less the late-quarantined rows) in "
             "folders of its own. As scheduled: the two commands as processes (imports and "
             "loading the model, a stack with its booster, included), each in its own folders, "
