@@ -251,13 +251,11 @@ def report_sums(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> ReportSums:
     }
 
 
-def added_up(sums: list[ReportSums]) -> ReportSums:
-    """Many frames' (files') sums as one frame's: counts and masses summed, `varies` any."""
+def added_up(sums: ReportSums) -> ReportSums:
+    """Sums kept per file as one frame's: counts and masses summed, `varies` any."""
     total: ReportSums = {}
     for name in SUM_TABLES:
-        table = pl.concat(
-            [s[name].drop("file", strict=False) for s in sums], how="diagonal_relaxed"
-        )
+        table = sums[name].drop("file", strict=False)
         keys = [c for c in table.columns if c not in (*SUM_COLUMNS, "journeys", "varies")]
         values = [c for c in table.columns if c not in keys]
         total[name] = table.group_by(keys, maintain_order=True).agg(
@@ -312,24 +310,6 @@ def constant_columns(sums: ReportSums, columns: list[str]) -> list[str]:
 # ----------------------------------------------------------------------------- attention
 
 
-def attention_by(scores: pl.LazyFrame, column: str) -> pl.DataFrame:
-    """Attention aggregated by the values of one list column, per outcome."""
-    return attention_table(
-        report_sums(scores.select(*dict.fromkeys([*_needed(scores), column]))), column
-    )
-
-
-def attention_by_position(scores: pl.LazyFrame, cap: int) -> pl.DataFrame:
-    """Attention by position from the end (0 = last event; `cap` = that far or further)."""
-    return position_table(report_sums(scores.select(*_needed(scores))), cap)
-
-
-def _needed(scores: pl.LazyFrame) -> list[str]:
-    """The columns every sum reads: the outcome's, the event types and attention."""
-    names = ("label", "censored", "open", "event_time", "event_type", "attention")
-    return [name for name in names if name in scores.collect_schema()]
-
-
 def attention_table(sums: ReportSums, column: str) -> pl.DataFrame:
     """The summed attention by one list column's values, per outcome, with shares."""
     table = sums["attention"].filter(pl.col("column") == column).drop("column")
@@ -367,21 +347,6 @@ def _shares(grouped: pl.LazyFrame, keys: list[str]) -> pl.DataFrame:
 # ----------------------------------------------------------------------------- rules
 
 
-def rule_based_credit(converted: pl.LazyFrame) -> pl.DataFrame:
-    """First touch, last touch and linear credit shares over converting journeys.
-
-    `converted` has a list column `touchpoints` (one per event, in order); each journey
-    is one conversion: all to its first (last) touchpoint, or 1/n to each of its n events.
-    """
-    journeys = converted.select(pl.len()).collect().item()
-    table = _outer(_firsts_and_lasts(converted, []), _linear(converted, [])).collect()
-    methods = ("first_touch", "last_touch", "linear")
-    return table.select(
-        "touchpoint",
-        *(pl.col(m).cast(pl.Float64).fill_null(0.0) / max(journeys, 1) for m in methods),
-    ).sort("touchpoint")
-
-
 def credit_table(
     sums: ReportSums, dimension: str, keep: list[str] | None, markov: MarkovResult
 ) -> pl.DataFrame:
@@ -414,16 +379,12 @@ class MarkovResult:
     conversion_probability: float  # P(reach (conversion) from (start))
 
 
-def markov_transitions(paths: pl.LazyFrame) -> pl.DataFrame:
-    """Transition counts of the first-order chain over touchpoints.
+def _transition_counts(paths: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
+    """Transition counts of the first-order chain over touchpoints, per `keys`.
 
     `paths` has `touchpoints` (list) and `converted` (bool): each journey is the path
     (start) -> t1 -> ... -> tn -> (conversion) or (null).
     """
-    return _transition_counts(paths, []).sort("from", "to").collect(engine="streaming")
-
-
-def _transition_counts(paths: pl.LazyFrame, keys: list[str]) -> pl.LazyFrame:
     end = pl.when(pl.col("converted")).then(pl.lit(CONVERSION)).otherwise(pl.lit(NULL))
     path = pl.concat_list(pl.lit(START), pl.col("touchpoints"), end).alias("path")
     steps = pl.col("path").list.len() - 1
@@ -527,11 +488,6 @@ def _lump(touchpoint: pl.Expr, keep: list[str] | None) -> pl.Expr:
         return touchpoint
     kept = pl.lit(pl.Series([*keep, START, CONVERSION, NULL], dtype=pl.String)).implode()
     return pl.when(touchpoint.is_in(kept.first())).then(touchpoint).otherwise(pl.lit(OTHER))
-
-
-def markov_attribution(paths: pl.LazyFrame) -> MarkovResult:
-    """Fit the chain on `paths` (touchpoints, rare ones lumped, + converted)."""
-    return markov_removal_effects(markov_transitions(paths))
 
 
 def markov_of(sums: ReportSums, dimension: str, keep: list[str] | None) -> MarkovResult:
@@ -677,13 +633,14 @@ def build_report(
     from journeys.config import Attribution
 
     settings = settings or Attribution()
-    total = added_up([sums if sums is not None else report_sums(scores)])
-    features = score_features(scores.collect_schema())
+    schema = scores.collect_schema()
+    total = added_up(sums if sums is not None else report_sums(scores))
+    features = score_features(schema)
     constant = [] if settings.by else constant_columns(total, ["event_type", *features])
     dimensions = report_dimensions([f for f in features if f not in constant], settings.by)
     if not settings.by:
         dimensions = [d for d in dimensions if d not in constant] or ["event_type"]
-    journeys = scores.with_columns(outcome_expr(scores.collect_schema()))
+    journeys = scores.with_columns(outcome_expr(schema))
     converted = journeys.filter(pl.col("outcome") == CONVERTED)
 
     tables: dict[str, pl.DataFrame] = {

@@ -12,15 +12,7 @@ import pytest
 import torch
 from test_score import config_for, journeys_folder, save_tiny_model, settings
 
-from journeys.attribution import (
-    CONVERTED,
-    METHODS,
-    attention_by,
-    attention_by_position,
-    build_report,
-    markov_attribution,
-    rule_based_credit,
-)
+from journeys.attribution import CONVERTED, METHODS, build_report
 from journeys.cli import main
 from journeys.inference import integrated_gradients
 from journeys.model import JourneyTransformer, ModelConfig
@@ -67,12 +59,14 @@ def test_markov_removal_effects_match_the_hand_calculation() -> None:
     Remove B (A -> B goes to null):  a' = 0,    P = 0;               RE_B = 1.
     Shares: A = (3/5) / (8/5) = 3/8 = 0.375,  B = 1 / (8/5) = 5/8 = 0.625.
     """
-    paths = pl.LazyFrame(
-        {"touchpoints": [p for p, _ in PATHS], "converted": [bool(y) for _, y in PATHS]}
+    report = build_report(scores_frame())  # by channel: event_type is one type throughout
+    assert report.summary["markov_conversion_probability"]["channel"] == pytest.approx(
+        3 / 5, abs=1e-9
     )
-    result = markov_attribution(paths)
-    assert result.conversion_probability == pytest.approx(3 / 5, abs=1e-9)
-    removal = {row["touchpoint"]: row for row in result.removal.iter_rows(named=True)}
+    removal = {
+        row["touchpoint"]: row
+        for row in report.tables["markov_removal_effects"].iter_rows(named=True)
+    }
     assert removal["A"]["removal_effect"] == pytest.approx(3 / 5, abs=1e-9)
     assert removal["B"]["removal_effect"] == pytest.approx(1.0, abs=1e-9)
     assert removal["A"]["p_without"] == pytest.approx(6 / 25, abs=1e-9)
@@ -81,14 +75,14 @@ def test_markov_removal_effects_match_the_hand_calculation() -> None:
 
     transitions = {
         (r["from"], r["to"]): (r["count"], r["probability"])
-        for r in result.transitions.iter_rows(named=True)
+        for r in report.tables["markov_transitions"].iter_rows(named=True)
     }
     assert transitions[("(start)", "A")] == (3, pytest.approx(3 / 5))
     assert transitions[("B", "A")] == (1, pytest.approx(1 / 5))
     assert transitions[("A", "(null)")] == (1, pytest.approx(1 / 4))
 
     # The same numbers reach the report's credit table.
-    credit = build_report(scores_frame()).credit
+    credit = report.credit
     markov = dict(zip(credit["touchpoint"], credit["markov"], strict=True))
     assert markov["A"] == pytest.approx(3 / 8, abs=1e-9)
     assert markov["B"] == pytest.approx(5 / 8, abs=1e-9)
@@ -118,8 +112,7 @@ def test_first_last_and_linear_on_a_tiny_example() -> None:
     """Converted journeys J1 (A B), J3 (B), J5 (A B A B):
     first touch A, B, A -> A 2/3, B 1/3;  last touch B, B, B -> B 1;
     linear: J1 A 1/2 B 1/2, J3 B 1, J5 A 1/2 B 1/2 -> A 1/3, B 2/3."""
-    converted = pl.LazyFrame({"touchpoints": [p for p, y in PATHS if y]})
-    credit = {r["touchpoint"]: r for r in rule_based_credit(converted).iter_rows(named=True)}
+    credit = {r["touchpoint"]: r for r in build_report(scores_frame()).credit.iter_rows(named=True)}
     assert credit["A"]["first_touch"] == pytest.approx(2 / 3)
     assert credit["B"]["first_touch"] == pytest.approx(1 / 3)
     assert credit["A"]["last_touch"] == 0.0
@@ -148,15 +141,17 @@ def test_attention_tables_by_event_type_channel_and_position() -> None:
         },
         schema_overrides={"attention": pl.List(pl.Float32)},
     )
-    by_type = attention_by(scores, "event_type").filter(pl.col("outcome") == CONVERTED)
+    tables = build_report(scores).tables
+    converted = pl.col("outcome") == CONVERTED
+    by_type = tables["attention_by_event_type"].filter(converted)
     cart = by_type.filter(pl.col("event_type") == "cart").row(0, named=True)
     assert cart["events"] == 2
     assert cart["attention"] == pytest.approx(1.4)
     assert cart["attention_share"] == pytest.approx(1.4 / 2)  # 2 converting journeys
     assert cart["lift"] == pytest.approx((1.4 / 2) / (2 / 5))
-    by_channel = attention_by(scores, "channel").filter(pl.col("outcome") == CONVERTED)
+    by_channel = tables["attention_by_channel"].filter(converted)
     assert "(none)" in by_channel["channel"].to_list()  # a missing channel is a value
-    by_position = attention_by_position(scores, cap=20).filter(pl.col("outcome") == CONVERTED)
+    by_position = tables["attention_by_position"].filter(converted)  # cap 20
     last = by_position.filter(pl.col("position_from_end") == 0).row(0, named=True)
     assert last["events"] == 2
     assert last["mean_attention"] == pytest.approx(0.7)
