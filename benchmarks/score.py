@@ -153,7 +153,12 @@ def child(spec: dict) -> dict:
         journeys.inference.pick_device = lambda threads=None: torch.device("cpu")
     loaded = load_model(spec["model"], tracking_uri=spec.get("tracking_uri"))
     baseline = peak_mb()  # imports + model: the floor every size shares
-    settings = dict(batch_size=spec["batch_size"], chunk_journeys=spec["chunk"], progress=False)
+    # Every run scores every journey: a run after another would keep its scores (a
+    # nightly run's reuse, which `benchmarks/daily.py` measures).
+    settings = dict(
+        batch_size=spec["batch_size"], chunk_journeys=spec["chunk"], progress=False,
+        keep_earlier=False,
+    )  # fmt: skip
     out = Path(tempfile.mkdtemp(prefix="score-bench-", dir=WORK))
 
     def run(attention: str | None) -> tuple[int, float, float]:

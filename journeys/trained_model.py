@@ -304,6 +304,10 @@ class TrainedModel:
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        # The optional files of a model saved here before go: a head or a reference left
+        # behind would be loaded as this model's.
+        for name in (HEAD_FILE, HEAD_BOOSTER, LEGACY_STACK_FILE, LEGACY_BOOSTER, REFERENCE_FILE):
+            (folder / name).unlink(missing_ok=True)
         # save_model (not save_file) copes with tied/shared tensors and makes them contiguous.
         save_model(self.model, str(folder / WEIGHTS), metadata={"format": "pt"})
         (folder / MODEL_CONFIG).write_text(json.dumps(self.model.config.to_dict(), indent=2) + "\n")

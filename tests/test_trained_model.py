@@ -181,3 +181,24 @@ def test_a_format_1_architecture_without_the_newer_keys_is_what_it_was(tmp_path:
         for key, value in FORMAT_1_ARCHITECTURE.items()
         if key in ("pooling", "position_origin", "visit_bucket", "n_continuous")
     )
+
+
+def test_saving_over_a_model_leaves_none_of_its_head_behind(tmp_path: Path) -> None:
+    """A model saved into a folder that held a stack champion is the model saved, not that
+    champion's booster: the folder's head (and reference) go with it."""
+    from test_score import journeys_folder, save_tiny_model
+
+    from journeys.baselines import BaselineSettings, fit_baseline
+    from journeys.vocab import Vocabularies
+
+    journeys = journeys_folder(tmp_path / "journeys", n=120)
+    folder = save_tiny_model(tmp_path / "model", Vocabularies.load(journeys))
+    plain = TrainedModel.load(folder)
+    frame = pl.read_parquet(journeys / "*.parquet")
+    with_head = TrainedModel.load(folder)
+    with_head.baseline = fit_baseline("hgb_aggregates", frame, BaselineSettings())
+    with_head.save(folder)
+    assert TrainedModel.load(folder).kind == "baseline_hgb_aggregates"
+    plain.save(folder)
+    assert TrainedModel.load(folder).kind == "transformer"
+    assert not list(folder.glob("head.*"))
