@@ -250,6 +250,11 @@ def main() -> None:
     parser.add_argument("--days", type=int, default=90)
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[30, 60, 90])
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument(
+        "--keep-before", action="store_true",
+        help="keep the nightly state as it stood before the last checkpoint's night in "
+        "data/bench/daily/before/ (to profile one night again)",
+    )  # fmt: skip
     parser.add_argument("--child", choices=["nightly", "full"])
     parser.add_argument("--landing")
     parser.add_argument("--out")
@@ -302,6 +307,9 @@ def main() -> None:
         scheduled = WORK / "scheduled"
         shutil.rmtree(scheduled, ignore_errors=True)
         shutil.copytree(nightly, scheduled)
+        if args.keep_before and day == args.checkpoints[-1]:
+            shutil.rmtree(WORK / "before", ignore_errors=True)
+            shutil.copytree(nightly, WORK / "before")
         incremental = in_child("nightly", landing, nightly, model)
         incremental["processes_s"] = sum(as_scheduled(landing, scheduled, model, False).values())
         shutil.rmtree(scheduled)
