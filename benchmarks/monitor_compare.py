@@ -290,7 +290,14 @@ def build_nights(work: Path) -> dict[str, Any]:
 
     from journeys.config import load_config
     from journeys.datasets import scan_journeys
-    from journeys.monitor import MONITOR_DIR, OPEN_SNAPSHOT, REPORT_JSON, expected_roc_auc, outcomes
+    from journeys.monitor import (
+        JOURNEY_KEY,
+        MONITOR_DIR,
+        OPEN_SNAPSHOT,
+        REPORT_JSON,
+        expected_roc_auc,
+        outcomes,
+    )
     from journeys.reference import event_rows
     from journeys.score import default_model_uri
     from journeys.trained_model import load_model
@@ -366,10 +373,9 @@ def build_nights(work: Path) -> dict[str, Any]:
     for number, night in nights.items():
         snapshot = pl.read_parquet(night["snapshot"])
         since = datetime.fromisoformat(night["end"]) - timedelta(days=30)
-        known = outcomes(Path(config.paths.journeys), snapshot.get_column("journey_id"), since)
-        joined = snapshot.select("journey_id", "conversion_probability").join(
-            known, on="journey_id", how="left"
-        )
+        snapshot = snapshot.select("journey_id", "conversion_probability", JOURNEY_KEY)
+        known = outcomes(Path(config.paths.journeys), snapshot.get_column("key"), since)
+        joined = snapshot.join(known, on="key", how="left").drop("key")
         joined.write_parquet(out / f"night-{number}-open.parquet")
         night |= cohort_facts(joined)
         if int(number) in POOLED:

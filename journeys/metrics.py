@@ -97,17 +97,25 @@ def format_metric(scores: Mapping[str, float], name: str) -> str:
     return f"{value:.4f} [{low:.4f}, {high:.4f}]"
 
 
-def _placements(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _placements(
+    labels: np.ndarray, scores: np.ndarray, in_order: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """DeLong's placement values: per positive the share of negatives scored below it,
     per negative the share of positives scored above it (ties count half). The AUC is the
-    mean of the first; their variances give the AUC's (Sun and Xu 2014: midranks, O(n log n))."""
-    from scipy.stats import rankdata
-
+    mean of the first; their variances give the AUC's (Sun and Xu 2014, O(n log n)): each
+    class sorted, each score placed among the other class by binary search. Without
+    `in_order` the negatives' values come in score order (enough for a variance, and
+    several times faster to place: sorted keys search in cache)."""
     positives, negatives = scores[labels], scores[~labels]
     m, n = positives.size, negatives.size
-    all_ranks = rankdata(np.concatenate([positives, negatives]))
-    v10 = (all_ranks[:m] - rankdata(positives)) / n
-    v01 = 1.0 - (all_ranks[m:] - rankdata(negatives)) / m
+    by_negatives, by_positives = np.sort(negatives), np.sort(positives)
+    below = np.searchsorted(by_negatives, positives, "left")
+    tied = np.searchsorted(by_negatives, positives, "right") - below
+    v10 = (below + 0.5 * tied) / n
+    placed = negatives if in_order else by_negatives
+    at_or_below = np.searchsorted(by_positives, placed, "right")
+    tied = at_or_below - np.searchsorted(by_positives, placed, "left")
+    v01 = (m - at_or_below + 0.5 * tied) / m
     return v10, v01
 
 
@@ -144,7 +152,7 @@ def roc_auc_with_se(labels: np.ndarray, scores: np.ndarray) -> tuple[float, floa
     m, n = int(labels.sum()), int((~labels).sum())
     if m == 0 or n == 0:
         return math.nan, math.nan
-    v10, v01 = _placements(labels, scores)
+    v10, v01 = _placements(labels, scores, in_order=False)
     variance = (v10.var(ddof=1) if m > 1 else 0.0) / m + (v01.var(ddof=1) if n > 1 else 0.0) / n
     return float(v10.mean()), math.sqrt(max(variance, 0.0))
 

@@ -622,6 +622,24 @@ def test_delong_interval_matches_sklearn_and_covers_the_true_auc() -> None:
     assert math.isnan(one_class["test_roc_auc_ci_low"])
 
 
+def test_delong_placements_equal_the_pairwise_comparisons_ties_included() -> None:
+    rng = np.random.default_rng(1)
+    labels = rng.random(700) < 0.2
+    scores = np.round(rng.normal(size=labels.size) + labels, 1)  # many ties
+    v10, v01 = M._placements(labels, scores)
+    positives, negatives = scores[labels], scores[~labels]
+    wins = (positives[:, None] > negatives[None, :]) + 0.5 * (
+        positives[:, None] == negatives[None, :]
+    )
+    np.testing.assert_allclose(v10, wins.mean(axis=1), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(v01, wins.mean(axis=0), rtol=0, atol=1e-12)
+    from sklearn.metrics import roc_auc_score
+
+    assert v10.mean() == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
+    unordered = M._placements(labels, scores, in_order=False)[1]  # for a variance
+    np.testing.assert_array_equal(np.sort(unordered), np.sort(v01))
+
+
 def _one_class_split(folder: Path, split: str) -> None:
     """Relabel the journeys of `split` so that all of them converted."""
     part = folder / "part-00000.parquet"
