@@ -687,18 +687,18 @@ def cohort_history(
     config: Config,
 ) -> dict[str, dict[str, Any]]:
     """Each earlier night's open journeys against their outcomes so far, looked up in one
-    query. A cohort the last report (its `earlier` cohorts) found final (every outcome
-    known, or older than `monitor.cohort_horizon`) keeps its figures, so a night's cost
-    stays flat."""
+    query. A cohort the last report (its `earlier` cohorts) found settled (`settled`), or
+    older than `monitor.cohort_horizon`, keeps its figures: a night's cost stays flat, and
+    a judged cohort keeps the figures it was judged on."""
     maturity = config.journey.max_gap_delta + config.ingest.late_allowed_delta
-    horizon = now - config.monitor.cohort_horizon_delta
+    horizon = (now - config.monitor.cohort_horizon_delta).date().isoformat()
     cohorts, pending = {}, {}
     for path in sorted(root.glob(f"*/{OPEN_SNAPSHOT}")):
         name = path.parent.name
         if name.startswith("."):  # an interrupted swap's leftover
             continue
         kept = earlier.get(name)
-        if kept and (kept["known"] == kept["journeys"] or name < horizon.date().isoformat()):
+        if kept and (name < horizon or settled(kept, config.monitor)):
             cohorts[name] = kept
             continue
         pending[name] = path
@@ -739,6 +739,15 @@ def cohort_history(
     return dict(sorted(cohorts.items()))
 
 
+def settled(cohort: dict[str, Any], settings: Monitor) -> bool:
+    """Whether a cohort's figures are final: matured, with `monitor.settled_share` of its
+    outcomes known (every one, when the share is 1), or judged. The outcomes still to come
+    are those of the few journeys that stay open for weeks."""
+    if cohort.get("judged"):
+        return True
+    return cohort["matured"] and cohort["known"] >= settings.settled_share * cohort["journeys"]
+
+
 def cohort_checks(
     cohorts: dict[str, dict[str, Any]],
     earlier: dict[str, dict[str, Any]],
@@ -770,8 +779,7 @@ def cohort_checks(
         if earlier.get(name, {}).get("judged") or cohort.get("judged"):
             cohort["judged"] = True  # carried forward: judged once
             continue
-        settled = cohort["known"] >= settings.settled_share * cohort["journeys"]
-        if "roc_auc" not in cohort or not (settled or name <= last_update):
+        if "roc_auc" not in cohort or not (settled(cohort, settings) or name <= last_update):
             continue  # not matured with enough conversions, or not settled yet
         cohort["judged"] = True
         realised, estimate = cohort["roc_auc"], cohort["estimated_roc_auc"]

@@ -168,12 +168,18 @@ def test_a_matured_cohort_equals_an_offline_computation(nights: dict[int, dict])
     from sklearn.metrics import roc_auc_score
 
     from journeys.metrics import expected_calibration_error
+    from journeys.monitor import settled
 
     config, root = nights[0]["config"], nights[0]["folder"]
     cohorts = nights[DAYS - 1]["report"]["cohorts"]
+    before = nights[DAYS - 2]["report"]["cohorts"]  # a cohort settled then kept its figures
     name = max(
-        (n for n in cohorts if "roc_auc" in cohorts[n]), key=lambda n: cohorts[n]["converted"]
-    )
+        (
+            n for n in cohorts
+            if "roc_auc" in cohorts[n] and not (n in before and settled(before[n], config.monitor))
+        ),
+        key=lambda n: cohorts[n]["converted"],
+    )  # fmt: skip
     cohort = cohorts[name]
     assert cohort["matured"]
     night = next(
@@ -328,7 +334,7 @@ def test_cohort_checks_alert_on_missing_conversions_and_a_broken_promise() -> No
     assert "cohort_conversions" not in checked({"2026-01-31": {**quiet, "converted": 0}})
     matured = {
         "journeys": 5000, "known": 4990, "converted": 200, "expected_so_far": 190.0,
-        "roc_auc": 0.62, "roc_auc_ci": [0.58, 0.66], "roc_auc_se": 0.02,
+        "matured": True, "roc_auc": 0.62, "roc_auc_ci": [0.58, 0.66], "roc_auc_se": 0.02,
         "estimated_roc_auc": 0.80,
     }  # fmt: skip
     broken = checked({"2026-01-20": dict(matured)})["cohort_roc_auc"]
@@ -374,12 +380,13 @@ def test_a_column_is_plotted_once_its_mix_moved_half_its_floor() -> None:
 @pytest.mark.slow
 def test_cohort_figures_kept_from_last_night_equal_a_recompute(nights: dict[int, dict]) -> None:
     """The last night reused the labelled figures of cohorts with no new outcome: worked
-    out again from nothing (no earlier report), every cohort's figures are the same."""
+    out again from nothing, but for the cohorts settled before (their figures stand), every
+    cohort's figures are the same. A settled cohort keeps the figures of its settling night."""
     from datetime import datetime
 
     from journeys.attribution import scoring_model_uri
     from journeys.datasets import read_metadata
-    from journeys.monitor import cohort_history
+    from journeys.monitor import cohort_history, settled
     from journeys.trained_model import load_model
 
     config, root = nights[0]["config"], nights[0]["folder"]
@@ -389,10 +396,18 @@ def test_cohort_figures_kept_from_last_night_equal_a_recompute(nights: dict[int,
         trained = load_model(uri, tracking_uri=config.mlflow.tracking_uri)
     folder = Path(config.paths.reports) / MONITOR_DIR
     end = datetime.fromisoformat(report["end"])
-    fresh = cohort_history(folder, Path(config.paths.journeys), end, {}, trained.reference, config)
+    before = nights[DAYS - 2]["report"]["cohorts"]
+    standing = {n: c for n, c in before.items() if settled(c, config.monitor)}
+    assert 0 < len(standing) < len(before)  # some cohorts settled, some still updating
+    journeys = Path(config.paths.journeys)
+    fresh = cohort_history(folder, journeys, end, standing, trained.reference, config)
     fresh = json.loads(json.dumps(fresh, default=float, allow_nan=True))  # as report.json holds
     reused = report["cohorts"]
     assert set(fresh) == set(reused) and len(fresh) >= 30
+    for name in standing:  # as on the night it settled
+        night = min(n for n in range(TRAIN_DAYS + 1, DAYS) if name in nights[n]["report"]["cohorts"] and settled(nights[n]["report"]["cohorts"][name], config.monitor))  # fmt: skip
+        settling = nights[night]["report"]["cohorts"][name]
+        assert reused[name] == settling, name
     for name, cohort in fresh.items():
         for key, value in cohort.items():
             if isinstance(value, float) and not math.isfinite(value):
