@@ -640,7 +640,8 @@ class Monitor(Section):
     min_auc_drop: Annotated[float, Field(ge=0, le=1)] = 0.05
     # A matured cohort's realised ROC AUC is judged once this share of its outcomes is known
     # (or on its last night before `cohort_horizon`): the outcomes still unknown are those of
-    # journeys not converted yet, so judging sooner would judge a skewed subset.
+    # journeys not converted yet, so judging sooner would judge a skewed subset. Its figures
+    # stand from then on.
     settled_share: Annotated[float, Field(gt=0, le=1)] = 0.99
     # A cohort's figures stop updating this long after its night (outcomes of journeys
     # still open by then are left unknown), so a night's cost does not grow with history.
