@@ -23,8 +23,8 @@ from journeys.pipeline_lock import stage_lock
 EXIT_BAD_INPUT = 2
 EXIT_ALERTS = 3  # `journeys monitor`: some check alerted (docs/monitoring.md)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-# The `journeys` process's garbage collector (`run`, not `main`, which tests and flows call
-# in processes of their own). Importing torch, MLflow and scikit-learn builds millions of
+# The garbage collector of a `journeys` console-script process (`run`; `main`, which tests,
+# flows and `python -m journeys.cli` call, keeps Python's defaults). Importing torch, MLflow and scikit-learn builds millions of
 # objects that live until the process ends: at the default young-generation threshold
 # (700) the collector walks them again and again, and once more at exit, about 2 s of a
 # nightly `journeys score` that finds no garbage (benchmarks/daily.py, docs/nightly.md).
@@ -283,5 +283,5 @@ def run() -> None:
     sys.exit(code)
 
 
-if __name__ == "__main__":
-    run()
+if __name__ == "__main__":  # `python -m journeys.cli` (the pipeline's training child): defaults
+    sys.exit(main())

@@ -150,7 +150,7 @@ def roc_auc_with_se(labels: np.ndarray, scores: np.ndarray) -> tuple[float, floa
     labels = np.asarray(labels).astype(bool)
     scores = np.asarray(scores, dtype=np.float64)
     m, n = int(labels.sum()), int((~labels).sum())
-    if m == 0 or n == 0:
+    if m == 0 or n == 0 or not np.isfinite(scores).all():  # a NaN score ranks nowhere
         return math.nan, math.nan
     v10, v01 = _placements(labels, scores, in_order=False)
     variance = (v10.var(ddof=1) if m > 1 else 0.0) / m + (v01.var(ddof=1) if n > 1 else 0.0) / n
@@ -165,11 +165,12 @@ def paired_roc_auc_difference(
     placement values are correlated through the shared examples). An upper bound below 0
     says `second` is ahead beyond doubt."""
     labels = np.asarray(labels).astype(bool)
+    first, second = np.asarray(first, dtype=np.float64), np.asarray(second, dtype=np.float64)
     m, n = int(labels.sum()), int((~labels).sum())
-    if m < 2 or n < 2:
+    if m < 2 or n < 2 or not (np.isfinite(first).all() and np.isfinite(second).all()):
         return math.nan, math.nan
-    a10, a01 = _placements(labels, np.asarray(first, dtype=np.float64))
-    b10, b01 = _placements(labels, np.asarray(second, dtype=np.float64))
+    a10, a01 = _placements(labels, first)
+    b10, b01 = _placements(labels, second)
     difference = float(a10.mean() - b10.mean())
     variance = (a10 - b10).var(ddof=1) / m + (a01 - b01).var(ddof=1) / n
     return difference, difference + _z(confidence, sides=1) * math.sqrt(max(variance, 0.0))

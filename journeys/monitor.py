@@ -69,7 +69,7 @@ OPEN_SNAPSHOT = "open.parquet"  # the night's open journeys and their probabilit
 # A journey's id as the cohorts look its outcome up: a 64-bit hash joins a million
 # snapshot rows several times faster than the strings (two of the half million journeys
 # of a 90-day history share one with a chance below 1e-8).
-JOURNEY_KEY = pl.col("journey_id").hash().alias("key")
+JOURNEY_KEY = pl.col("journey_id").cast(pl.String).hash().alias("key")
 SNAPSHOT_SCHEMA = pl.Schema({
     "journey_id": pl.String,
     "conversion_probability": pl.Float64,
@@ -740,12 +740,16 @@ def cohort_history(
 
 
 def settled(cohort: dict[str, Any], settings: Monitor) -> bool:
-    """Whether a cohort's figures are final: matured, with `monitor.settled_share` of its
-    outcomes known (every one, when the share is 1), or judged. The outcomes still to come
-    are those of the few journeys that stay open for weeks."""
+    """Whether a cohort's figures are final: judged; or matured with every outcome known,
+    or with its realised figures (`min_cohort_conversions`) and `monitor.settled_share` of
+    its outcomes known. The outcomes still to come are those of the few journeys that stay
+    open for weeks; a cohort short of conversions waits for them until the horizon."""
     if cohort.get("judged"):
         return True
-    return cohort["matured"] and cohort["known"] >= settings.settled_share * cohort["journeys"]
+    if not cohort["matured"]:
+        return False
+    known, journeys = cohort["known"], cohort["journeys"]
+    return known == journeys or ("roc_auc" in cohort and known >= settings.settled_share * journeys)
 
 
 def cohort_checks(
@@ -973,7 +977,7 @@ def plots(night: Night, reference: Reference, columns: set[str]) -> dict[str, st
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import LogFormatter, NullFormatter
+    from matplotlib.ticker import LogFormatter
 
     images = {}
     for column, counts in night.profile.categories.items():
@@ -1003,7 +1007,7 @@ def plots(night: Night, reference: Reference, columns: set[str]) -> dict[str, st
         axes.set_yscale("log")
         # Plain tick labels: the default's mathtext (10^-2) is laid out glyph by glyph.
         axes.yaxis.set_major_formatter(LogFormatter())
-        axes.yaxis.set_minor_formatter(NullFormatter())
+        axes.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))  # under a decade
         axes.legend()
         images["probability quantiles"] = _png(figure)
     return images

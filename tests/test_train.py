@@ -638,6 +638,9 @@ def test_delong_placements_equal_the_pairwise_comparisons_ties_included() -> Non
     assert v10.mean() == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
     unordered = M._placements(labels, scores, in_order=False)[1]  # for a variance
     np.testing.assert_array_equal(np.sort(unordered), np.sort(v01))
+    with_nan = np.where(np.arange(scores.size) == 3, np.nan, scores)  # ranks nowhere: no AUC
+    assert all(math.isnan(x) for x in M.roc_auc_with_se(labels, with_nan))
+    assert all(math.isnan(x) for x in M.paired_roc_auc_difference(labels, with_nan, scores))
 
 
 def _one_class_split(folder: Path, split: str) -> None:
