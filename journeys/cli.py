@@ -24,10 +24,11 @@ EXIT_BAD_INPUT = 2
 EXIT_ALERTS = 3  # `journeys monitor`: some check alerted (docs/monitoring.md)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The garbage collector of a `journeys` console-script process (`run`; `main`, which tests,
-# flows and `python -m journeys.cli` call, keeps Python's defaults). Importing torch, MLflow and scikit-learn builds millions of
-# objects that live until the process ends: at the default young-generation threshold
-# (700) the collector walks them again and again, and once more at exit, about 2 s of a
-# nightly `journeys score` that finds no garbage (benchmarks/daily.py, docs/nightly.md).
+# flows and `python -m journeys.cli` call, keeps Python's defaults). Importing torch,
+# MLflow and scikit-learn builds millions of objects that live until the process ends: at
+# the default young-generation threshold (700) the collector walks them again and again,
+# and once more at exit, 1.1-1.3 s of a nightly `journeys score` that finds no garbage
+# (benchmarks/daily.py, docs/nightly.md).
 GC_YOUNG_THRESHOLD = 10_000
 
 

@@ -356,9 +356,9 @@ def cohort_figures(
     settings: Monitor,
 ) -> dict[str, dict[str, Any]]:
     """Earlier nights' open journeys (`snapshots`, `cohort` their snapshot's path) against
-    what they did since, by cohort (named by its night): conversions so far against those expected by now (each journey's
-    probability times the share of conversions that arrive within its elapsed time,
-    `DelayCurve.share`); realised figures once a cohort has matured (`maturity`
+    what they did since, by cohort (named by its night): conversions so far against those
+    expected by now (each journey's probability times the share of conversions that arrive
+    within its elapsed time, `DelayCurve.share`); realised figures once a cohort has matured (`maturity`
     after its night) and holds enough conversions, beside the estimate without labels.
     A cohort with no new outcome since the `earlier` report keeps its labelled figures."""
     joined = snapshots.join(outcomes, on="key", how="left")
