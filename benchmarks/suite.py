@@ -57,6 +57,8 @@ VARIANTS = {
     "floor600": ["train.step_floor=600"],
     "periodic+floor600": ["model.continuous_encoding=periodic", "train.step_floor=600"],
     "wide": ["model.wide=true"],  # journey aggregates beside the sequence (Wide & Deep)
+    # each continuous input's train-quantile bins beside the projection (PLE)
+    "piecewise": ["model.continuous_encoding=piecewise"],
 }
 
 

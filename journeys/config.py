@@ -431,10 +431,13 @@ class Model(Section):
     # (`hgb_aggregates`); docs/model.md has the suite it was chosen on.
     wide: bool = False
     # How the continuous inputs (time encodings, numbers) enter an event: one linear
-    # projection of them all, or `periodic`: each through sin and cos of learned
-    # frequencies and a small map of its own (Gorishniy et al. 2022), which places a sharp
-    # or non-monotone effect of a duration in one layer (docs/model.md).
-    continuous_encoding: Literal["linear", "periodic"] = "linear"
+    # projection of them all; `periodic`: each through sin and cos of learned
+    # frequencies and a small map of its own (Gorishniy et al. 2022); or `piecewise`: the
+    # projection plus each input's piecewise-linear encoding over `continuous_bins` bins of
+    # its train quantiles (the same paper's PLE), which places a sharp effect of a
+    # duration where the data are dense, as a booster's bins do (docs/model.md).
+    continuous_encoding: Literal["linear", "periodic", "piecewise"] = "linear"
+    continuous_bins: Annotated[int, Field(ge=2)] = 64
 
     @property
     def visit_gap_s(self) -> float | None:

@@ -122,6 +122,7 @@ def model_config_from_sizes(
         n_continuous=n_continuous,
         wide=settings.wide,
         continuous_encoding=settings.continuous_encoding,
+        continuous_bins=settings.continuous_bins,
     )
 
 

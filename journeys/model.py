@@ -5,8 +5,9 @@ Everything the model does is in this file, in the spirit of nanoGPT's `model.py`
 - each event is the sum of embeddings of its event type, each categorical feature, the
   time since the previous event (bucketed by `journeys.inputs.TimeInput`) and the gap that
   opened its visit (the latest gap of at least `visit_bucket`), plus a linear projection of
-  its `n_continuous` continuous inputs (time encodings, numeric features); id 0 is padding
-  everywhere;
+  its `n_continuous` continuous inputs (time encodings, numeric features; with
+  `continuous_encoding` "periodic" or "piecewise" each input also through features of its
+  own); id 0 is padding everywhere;
   `journeys.encoding.model_config_from` sizes the `ModelConfig` from the fitted encoder
   (its per-event inputs, `journeys.inputs`) and the `model` section's architecture;
 - a positional encoding (fixed sinusoid, learned table, or none) is added;
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 Positional = Literal["sinusoidal", "learned", "none"]
-ContinuousEncoding = Literal["linear", "periodic"]
+ContinuousEncoding = Literal["linear", "periodic", "piecewise"]
 PositionOrigin = Literal["start", "end"]
 Norm = Literal["pre", "post"]
 Pooling = Literal["cls", "mean", "last"]
@@ -82,9 +83,12 @@ class ModelConfig:
     n_continuous: int = 6
     # A wide part beside the sequence (`WidePart`): journey aggregates -> a logit of its own.
     wide: bool = False
-    # How the continuous inputs enter: one linear projection of them all, or each through
-    # periodic features of learned frequencies (`PeriodicInputs`).
+    # How the continuous inputs enter: one linear projection of them all, each through
+    # periodic features of learned frequencies (`PeriodicInputs`), or the projection plus
+    # each input's piecewise-linear encoding over `continuous_bins` train-quantile bins
+    # (`PiecewiseLinearInputs`).
     continuous_encoding: ContinuousEncoding = "linear"
+    continuous_bins: int = 64
     periodic_frequencies: int = 16
     periodic_sigma: float = 4.0  # the frequencies' initial spread (cycles per unit of input)
 
@@ -249,6 +253,54 @@ class PeriodicInputs(nn.Module):
         return F.relu(per_input).sum(dim=2)
 
 
+class PiecewiseLinearInputs(nn.Module):
+    """Continuous inputs [B, L, C] -> [B, L, D]: one linear projection of them all, plus each
+    input's piecewise-linear encoding over bins of its train quantiles through a map of its
+    own (the PLE of Gorishniy et al. 2022), which starts at zero.
+
+    Why: a sharp effect of one duration (on Criteo's journeys every journey older than about
+    3.15 days converted, and few younger ones) needs a slope that a projection reaches only
+    with huge weights; each bin's ramp puts a knot where the train data are dense, as a
+    booster's histogram bins do. Starting at zero, the model begins as the projection alone
+    and grows the bins only where they help. The edges are a buffer, fitted on the train
+    split by `fit_edges` before training and saved with the weights.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inputs, bins, d_model = config.n_continuous, config.continuous_bins, config.d_model
+        self.linear = nn.Linear(inputs, d_model)
+        self.register_buffer("edges", torch.linspace(0.0, 1.0, bins + 1).repeat(inputs, 1))
+        self.weight = nn.Parameter(torch.zeros(inputs, bins, d_model))
+
+    @torch.no_grad()
+    def fit_edges(self, values: Tensor, max_values: int = 1 << 22) -> None:
+        """Edges from `values` [C, N] (every train event's inputs): each input's quantiles.
+
+        A value many events share (0 s since the journey's start on every first event) is
+        one edge, and the bins it would have taken go to finer quantiles of the rest; an
+        input with fewer distinct values than edges ends in bins of zero width, each a step.
+        """
+        n_edges = self.edges.size(1)
+        stride = max(1, values.size(1) // max_values)  # torch.quantile takes 16M at most
+        for i, row in enumerate(values[:, ::stride].double()):
+            edges = torch.quantile(row, torch.linspace(0, 1, n_edges).double()).unique()
+            if edges.numel() < n_edges:
+                finer = torch.quantile(row, torch.linspace(0, 1, 16 * n_edges).double()).unique()
+                pick = torch.linspace(0, finer.numel() - 1, min(n_edges, finer.numel()))
+                edges = finer[pick.round().long()]
+            padded = torch.cat([edges, edges[-1:].expand(n_edges - edges.numel())])
+            self.edges[i] = padded.to(self.edges.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        left = self.edges[:, :-1]
+        width = self.edges[:, 1:] - left
+        offset = x[..., None] - left  # [B, L, C, K]
+        ramp = (offset / width.clamp(min=1e-12)).clamp(0.0, 1.0)
+        encoded = torch.where(width > 0, ramp, (offset >= 0).to(x.dtype))
+        return self.linear(x) + encoded.flatten(-2) @ self.weight.flatten(0, 1)
+
+
 class WidePart(nn.Module):
     """Journey-level aggregates -> a logit added to the sequence's (Wide & Deep).
 
@@ -305,6 +357,8 @@ class JourneyTransformer(nn.Module):
         self.continuous_projection: nn.Module | None = None
         if config.n_continuous and config.continuous_encoding == "periodic":
             self.continuous_projection = PeriodicInputs(config)
+        elif config.n_continuous and config.continuous_encoding == "piecewise":
+            self.continuous_projection = PiecewiseLinearInputs(config)
         elif config.n_continuous:
             self.continuous_projection = nn.Linear(config.n_continuous, d_model)
         n_positions = config.max_len + int(config.uses_cls)
@@ -334,11 +388,15 @@ class JourneyTransformer(nn.Module):
                 nn.init.zeros_(param)
             elif name == "continuous_projection.frequencies":
                 nn.init.normal_(param, std=self.config.periodic_sigma)
+            elif name == "continuous_projection.weight" and isinstance(
+                self.continuous_projection, PiecewiseLinearInputs
+            ):
+                nn.init.zeros_(param)  # the bins start silent: the projection alone
             elif name == "continuous_projection.weight" and param.dim() == 3:
                 # Each input's 2K periodic features to about unit scale, as an embedding;
                 # the ReLU halves it, the sum over inputs adds it back.
                 nn.init.normal_(param, std=1.0 / math.sqrt(param.size(1)))
-            elif name == "continuous_projection.weight":
+            elif name in ("continuous_projection.weight", "continuous_projection.linear.weight"):
                 # Inputs of about unit scale come out of about unit scale, like an
                 # embedding: an equal voice in the sum from the first step.
                 nn.init.normal_(param, std=1.0 / math.sqrt(self.config.n_continuous))

@@ -77,6 +77,7 @@ from journeys.lightning_parts import (
     min_epoch_journeys,
     step_schedule,
 )
+from journeys.model import PiecewiseLinearInputs
 from journeys.promotion import STACK, TRANSFORMER, Decision, decide
 from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_model
 from journeys.vocab import Vocabularies
@@ -372,6 +373,12 @@ def fit(
     # The network is sized by the encoder fitted on train: its inputs, time buckets, max_len.
     model_config = model_config_from(config.model, datamodule.fitted_encoder)
     module = JourneyModule(model_config, settings, positives / n_train, fraction)
+    # Piecewise inputs' bin edges: the train split's quantiles, before the first step (every
+    # rank reads the same split, so every rank fits the same edges).
+    continuous = datamodule.splits["train"].continuous
+    if isinstance(module.model.continuous_projection, PiecewiseLinearInputs):
+        assert continuous is not None, "a model with continuous inputs has them on train"
+        module.model.continuous_projection.fit_edges(continuous)
     last = checkpoint_dir / LAST_CHECKPOINT if (resume and checkpoint_dir) else None
     if resume and not (last and last.exists()):
         print("no checkpoint saved yet: training from the start, in the same run")

@@ -100,7 +100,7 @@ FORMAT_1_ARCHITECTURE = {
 }
 
 # Architecture keys added after format 2 began, with what models saved without them were.
-ADDED_SINCE_FORMAT_2 = {"wide": False, "continuous_encoding": "linear"}
+ADDED_SINCE_FORMAT_2 = {"wide": False, "continuous_encoding": "linear", "continuous_bins": 64}
 
 _MODELS_URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[^/]+))/?")
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from journeys.config import Model
 from journeys.encoding import JourneyEncoder, model_config_from, model_config_from_sizes
-from journeys.model import JourneyTransformer, ModelConfig, attention_rollout
+from journeys.model import JourneyTransformer, ModelConfig, PiecewiseLinearInputs, attention_rollout
 from journeys.vocab import Vocabularies, Vocabulary
 
 VOCAB, FEATURES, BUCKETS, MAX_LEN = 12, (5, 4), 8, 24
@@ -378,3 +378,25 @@ def test_a_model_with_continuous_inputs_needs_them() -> None:
     continuous = torch.randn(1, 3, 3)
     summed = model.event_embeddings(tokens, features, buckets, mask, continuous)
     assert (summed[0, 2] == 0).all()  # padding stays zero: no bias leaks in
+
+
+def test_piecewise_inputs_start_as_the_projection_and_fit_quantile_edges() -> None:
+    model = tiny(scramble=False, continuous_encoding="piecewise", continuous_bins=8)
+    piecewise = model.continuous_projection
+    assert isinstance(piecewise, PiecewiseLinearInputs)
+    values = torch.rand(CONTINUOUS, 4000, generator=torch.Generator().manual_seed(0))
+    values[0, :2000] = 0.0  # half the events at one value (every first event's age)
+    values[1] = (values[1] * 3).floor()  # three distinct values only
+    piecewise.fit_edges(values)
+    edges = piecewise.edges
+    assert (edges[:, 1:] >= edges[:, :-1]).all()
+    # The shared value is one edge; the other bins spread over the rest of the values.
+    assert edges[0, 0] == 0 and (edges[0, 1:] > 0).all() and edges[0, 1] < 0.2
+    assert edges[1].unique().tolist() == [0.0, 1.0, 2.0]  # then bins of zero width: steps
+    torch.testing.assert_close(edges[2], torch.quantile(values[2], torch.linspace(0, 1, 9)))
+    x = torch.randn(3, 5, CONTINUOUS)
+    torch.testing.assert_close(piecewise(x), piecewise.linear(x))  # the bins start at zero
+    # Saved with the weights: a clone that loads the state dict has the fitted edges.
+    clone = JourneyTransformer(ModelConfig.from_dict(model.config.to_dict()))
+    clone.load_state_dict(model.state_dict())
+    torch.testing.assert_close(clone.continuous_projection.edges, edges)

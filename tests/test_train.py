@@ -801,3 +801,40 @@ def test_a_log_that_is_not_a_terminal_gets_a_line_per_epoch(trained) -> None:
     assert lines and all("val_roc_auc" in line for line in lines)
     # Validated every few epochs here (a small log's step schedule): the last one ends it.
     assert re.match(r"epoch \d+/\d+: .*\(\d+ s\)$", lines[0])
+
+
+def test_piecewise_inputs_train_with_edges_fitted_on_the_train_split(
+    tmp_path: Path, mlflow_env: str
+) -> None:
+    """`model.continuous_encoding: piecewise`: training fits each continuous input's bin
+    edges on the train split's events, and the saved model carries them."""
+    from journeys import train
+    from journeys.lightning_parts import JourneyDataModule
+    from journeys.model import PiecewiseLinearInputs
+    from journeys.trained_model import load_model
+    from journeys.vocab import Vocabularies
+
+    make_learnable_journeys(tmp_path / "journeys", n=300, seed=1)
+    overrides = (
+        "model.time_encodings=true",
+        "model.continuous_encoding=piecewise",
+        "model.continuous_bins=8",
+        "train.max_epochs=1",
+        "train.baselines=[]",
+        "promotion.min_val_conversions=1",
+    )
+    config = tiny_config(tmp_path, mlflow_env, *overrides)
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train.train_command(config)
+    served = load_model(result.model_uri, mlflow_env).model
+    assert isinstance(served.continuous_projection, PiecewiseLinearInputs)
+
+    vocabs = Vocabularies.load(config.paths.journeys)
+    data = JourneyDataModule.from_config(config, vocabs, 1.0)
+    data.setup()
+    train_inputs = data.splits["train"].continuous
+    assert train_inputs is not None
+    expected = PiecewiseLinearInputs(served.config)
+    expected.fit_edges(train_inputs)
+    torch.testing.assert_close(served.continuous_projection.edges, expected.edges)
+    assert not torch.equal(expected.edges[0], torch.linspace(0, 1, 9))  # not the placeholder
