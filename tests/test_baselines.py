@@ -163,21 +163,3 @@ def test_a_baseline_is_flagged_only_beyond_the_transformers_interval() -> None:
     }
     assert baselines.ahead_of_transformer(transformer, found) == ["hgb_aggregates"]
     assert baselines.ahead_of_transformer({"test_roc_auc": 0.8}, found) == []  # no interval
-
-
-@pytest.mark.parametrize("name", ["hgb", "hgb_aggregates"])
-def test_every_boosted_baseline_round_trips_through_the_booster_file(tmp_path, name: str) -> None:
-    """The booster of each boosted baseline, as training fits it (numbers with missing
-    values; the aggregates' last touches as categorical columns), is read back by the
-    restricted unpickler (`BOOSTER_GLOBALS` names every type it holds) and predicts the same."""
-    from journeys.trained_model import read_booster, write_booster
-
-    folder = make_journeys_dataset(tmp_path / "journeys", n=800, seed=3)
-    journeys = pl.read_parquet(folder / "part-00000.parquet")
-    train = journeys.filter(pl.col("split") == "train")
-    settings = baselines.BaselineSettings(columns=(CHANNEL, DEVICE))
-    fitted = baselines.fit_baseline(name, train, settings)
-    write_booster(fitted.booster, tmp_path / "head.pkl")
-    expected = fitted.predict_proba(journeys)
-    fitted.booster = read_booster(tmp_path / "head.pkl")
-    np.testing.assert_array_equal(fitted.predict_proba(journeys), expected)
