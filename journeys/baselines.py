@@ -18,8 +18,7 @@ the bag of events and the last touch, and each column adds its own aggregates to
 Each is its own MLflow run in the same experiment, tagged `model_family=baseline_<name>`,
 with the same `test_*` metrics and plots as the transformer, and each fitted model is a
 candidate for the champion (`journeys.promotion`): its fitted state is JSON values plus,
-for the boosted ones, a scikit-learn booster that `journeys.trained_model` saves (`head.pkl`,
-read back by an unpickler that builds a booster's types only).
+for the boosted ones, a scikit-learn booster that `journeys.trained_model` saves with skops.
 """
 
 from __future__ import annotations
@@ -355,8 +354,8 @@ class Baseline:
     """A fitted baseline: journeys (ingest schema) in, conversion probabilities out.
 
     Its fitted state is plain JSON values (`state`) and, for the boosted ones, a
-    `HistGradientBoostingClassifier` (`booster`), which `journeys.trained_model` saves: a
-    baseline can be served like the transformer, never unpickling an arbitrary object.
+    `HistGradientBoostingClassifier` (`booster`), which `journeys.trained_model` saves with
+    skops: a baseline can be served like the transformer, never through pickle.
     """
 
     name: ClassVar[str]

@@ -22,17 +22,13 @@ the one way from a journeys frame to probabilities. On disk it is five plain fil
 - `calibration.json`: the temperature;
 - when another candidate of the run gives the probability (`kind`: the `stack`, or a
   `baseline_<name>`, chosen by `journeys.promotion`), `head.json` (that model's fitted
-  state, versioned) and, for a boosted one, `head.pkl` (its scikit-learn booster, read
-  back by `BoosterUnpickler`, which builds only the types named in `BOOSTER_GLOBALS`;
-  heads saved before `HEAD_FORMAT_VERSION` 2 hold `head.skops`, read with skops). The
-  network is always there: its attention explains the journeys, whatever gives the
-  probability.
+  state, versioned) and, for a boosted one, `head.skops` (its scikit-learn booster, read
+  back with skops, which loads only the types named in `BOOSTER_TYPES`). The network is
+  always there: its attention explains the journeys, whatever gives the probability.
 
 They are logged as the artifacts of an MLflow models-from-code pyfunc
 (`journeys/pyfunc_model.py`), so the model is registrable and servable, while `load_model`
-reads the files directly: JSON and safetensors, and a booster's pickle through a reader
-that refuses every type but a fitted booster's, never an arbitrary object (the
-`MLFLOW_ALLOW_PICKLE_DESERIALIZATION=false` sense of it). `TrainedModel.load` is the
+reads the files directly: JSON and safetensors, never pickle. `TrainedModel.load` is the
 only reader of the saved settings: it reads every format this product has written
 (`FORMAT_VERSION` and older) and migrates it to the typed objects; nothing else reads the
 files by key.
@@ -42,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -76,52 +71,16 @@ CALIBRATION = "calibration.json"
 MODEL_FILES = (WEIGHTS, MODEL_CONFIG, VOCAB_FILE, PREPROCESSING, CALIBRATION)
 # The model that gives the probability when it is not the network (`TrainedModel.kind`).
 HEAD_FILE = "head.json"
-HEAD_BOOSTER = "head.pkl"
-# 1: the booster in `head.skops` (to December 2026); 2: in `head.pkl`.
-HEAD_FORMAT_VERSION = 2
-# Heads of format 1 and, before the head, a stack's blend and its booster (read back as a
-# `stack` head): boosters saved with skops.
-SKOPS_HEAD_BOOSTER = "head.skops"
+HEAD_BOOSTER = "head.skops"
+HEAD_FORMAT_VERSION = 1
+# Written before the head: a stack's blend and its booster (read back as a `stack` head).
 LEGACY_STACK_FILE, LEGACY_BOOSTER = "stack.json", "booster.skops"
-# The only types a skops booster file may hold besides skops' defaults.
+# The only types a booster file may hold besides skops' defaults (a fitted
+# HistGradientBoostingClassifier); a file with others is refused.
 BOOSTER_TYPES = (
     "functools.partial",
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
     "sklearn.utils.validation.check_array",
-)
-# Every global a pickled, fitted HistGradientBoostingClassifier names (its classes, its
-# loss and categorical preprocessing, NumPy arrays and random state): the only ones
-# `BoosterUnpickler` builds. Why not skops: importing `skops.io` imports every estimator
-# scikit-learn has (2.1 s of a nightly `journeys score`'s 4 s); these need 0.8 s.
-BOOSTER_GLOBALS = frozenset(
-    {
-        ("builtins", "slice"),
-        ("functools", "partial"),
-        ("numpy", "dtype"),
-        ("numpy", "float64"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("numpy.random._pcg64", "PCG64"),
-        ("numpy.random._pickle", "__bit_generator_ctor"),
-        ("numpy.random._pickle", "__generator_ctor"),
-        ("numpy.random.bit_generator", "SeedSequence"),
-        ("numpy.random.bit_generator", "__pyx_unpickle_SeedSequence"),
-        ("sklearn._loss._loss", "CyHalfBinomialLoss"),
-        ("sklearn._loss.link", "Interval"),
-        ("sklearn._loss.link", "LogitLink"),
-        ("sklearn._loss.loss", "HalfBinomialLoss"),
-        ("sklearn.compose._column_transformer", "ColumnTransformer"),
-        ("sklearn.ensemble._hist_gradient_boosting.binning", "_BinMapper"),
-        (
-            "sklearn.ensemble._hist_gradient_boosting.gradient_boosting",
-            "HistGradientBoostingClassifier",
-        ),
-        ("sklearn.ensemble._hist_gradient_boosting.predictor", "TreePredictor"),
-        ("sklearn.preprocessing._encoders", "OrdinalEncoder"),
-        ("sklearn.preprocessing._function_transformer", "FunctionTransformer"),
-        ("sklearn.preprocessing._label", "LabelEncoder"),
-        ("sklearn.utils.validation", "check_array"),
-    }
 )
 # 1: one flat dictionary (up to December 2026); 2: encoder, rules and survival apart.
 FORMAT_VERSION = 2
@@ -376,7 +335,9 @@ class TrainedModel:
         (folder / HEAD_FILE).write_text(json.dumps(head, indent=2) + "\n")
         files = {HEAD_FILE: folder / HEAD_FILE}
         if baseline.booster is not None:
-            write_booster(baseline.booster, folder / HEAD_BOOSTER)
+            from skops.io import dump
+
+            dump(baseline.booster, folder / HEAD_BOOSTER)
             files[HEAD_BOOSTER] = folder / HEAD_BOOSTER
         return files
 
@@ -497,42 +458,11 @@ def _check_sized_by(config: ModelConfig, encoder: JourneyEncoder) -> None:
         )
 
 
-class BoosterUnpickler(pickle.Unpickler):
-    """Unpickles a fitted booster and nothing else: a global outside `BOOSTER_GLOBALS`
-    (a function to call, any other class) stops the load before it is built (the Python
-    documentation's "restricting globals")."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in BOOSTER_GLOBALS:
-            raise pickle.UnpicklingError(
-                f"refused {module}.{name}: a booster file holds a fitted "
-                "HistGradientBoostingClassifier only (saved by another scikit-learn or "
-                "NumPy? retrain with the versions installed here)"
-            )
-        return super().find_class(module, name)
-
-
-def write_booster(booster: Any, path: Path) -> None:
-    """Pickle a fitted booster for `read_booster`."""
-    path.write_bytes(pickle.dumps(booster, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def read_booster(path: Path) -> Any:
-    """The fitted booster in `path`, built from `BOOSTER_GLOBALS` only."""
-    from sklearn.ensemble import HistGradientBoostingClassifier
-
-    with path.open("rb") as file:
-        booster = BoosterUnpickler(file).load()
-    if not isinstance(booster, HistGradientBoostingClassifier):
-        raise pickle.UnpicklingError(f"{path} holds {type(booster).__name__}, not a booster")
-    return booster
-
-
 def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
     """The stack or the baseline a saved model serves (neither: the network's own).
 
-    Scikit-learn is imported only when there is a booster to read: a transformer's scoring
-    run never pays for it.
+    Skops (and with it scikit-learn) is imported only when there is a booster to read: a
+    transformer's scoring run never pays for it.
     """
     from journeys.baselines import BaselineSettings, HgbAggregates, JourneyAggregates, load_baseline
     from journeys.stacking import Stack
@@ -540,20 +470,15 @@ def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
     def booster(name: str) -> Any:
         if not (folder / name).exists():
             return None
-        if name == HEAD_BOOSTER:
-            return read_booster(folder / name)
-        from skops.io import load  # written before head format 2
+        from skops.io import load
 
         return load(folder / name, trusted=list(BOOSTER_TYPES))
 
     if (folder / HEAD_FILE).exists():
         head = json.loads((folder / HEAD_FILE).read_text())
-        version = int(head["format_version"])
-        if version > HEAD_FORMAT_VERSION:
+        if int(head["format_version"]) > HEAD_FORMAT_VERSION:
             raise ValueError(f"{HEAD_FILE} is newer than this version of journeys reads")
-        baseline = load_baseline(
-            head["baseline"], booster(HEAD_BOOSTER if version >= 2 else SKOPS_HEAD_BOOSTER)
-        )
+        baseline = load_baseline(head["baseline"], booster(HEAD_BOOSTER))
         if head["kind"] != "stack":
             return None, baseline
         blend = head["blend"]
