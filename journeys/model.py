@@ -270,29 +270,46 @@ class PiecewiseLinearInputs(nn.Module):
         super().__init__()
         inputs, bins, d_model = config.n_continuous, config.continuous_bins, config.d_model
         self.linear = nn.Linear(inputs, d_model)
-        self.register_buffer("edges", torch.linspace(0.0, 1.0, bins + 1).repeat(inputs, 1))
+        # NaN until `fit_edges`: a model whose edges were never fitted refuses to run.
+        self.register_buffer("edges", torch.full((inputs, bins + 1), math.nan))
         self.weight = nn.Parameter(torch.zeros(inputs, bins, d_model))
+        self._checked = False
 
     @torch.no_grad()
-    def fit_edges(self, values: Tensor, max_values: int = 1 << 22) -> None:
-        """Edges from `values` [C, N] (every train event's inputs): each input's quantiles.
+    def fit_edges(self, values: Tensor, max_values: int = 1 << 22, seed: int = 0) -> None:
+        """Edges from `values` [C, N] (every train event's inputs): each input's quantiles
+        over its finite values (a seeded sample of `max_values` on larger logs: every rank
+        draws the same).
 
         A value many events share (0 s since the journey's start on every first event) is
         one edge, and the bins it would have taken go to finer quantiles of the rest; an
         input with fewer distinct values than edges ends in bins of zero width, each a step.
         """
         n_edges = self.edges.size(1)
-        stride = max(1, values.size(1) // max_values)  # torch.quantile takes 16M at most
-        for i, row in enumerate(values[:, ::stride].double()):
-            edges = torch.quantile(row, torch.linspace(0, 1, n_edges).double()).unique()
+        if values.size(1) > max_values:  # torch.quantile takes 16M values at most
+            generator = torch.Generator().manual_seed(seed)
+            values = values[:, torch.randint(values.size(1), (max_values,), generator=generator)]
+        levels = torch.linspace(0, 1, n_edges, device=values.device).double()
+        finer = torch.linspace(0, 1, 16 * n_edges, device=values.device).double()
+        for i, row in enumerate(values.double()):
+            row = row[row.isfinite()]
+            if not row.numel():
+                raise ValueError(f"continuous input {i} has no finite value to fit bins on")
+            edges = torch.quantile(row, levels).unique()
             if edges.numel() < n_edges:
-                finer = torch.quantile(row, torch.linspace(0, 1, 16 * n_edges).double()).unique()
-                pick = torch.linspace(0, finer.numel() - 1, min(n_edges, finer.numel()))
-                edges = finer[pick.round().long()]
+                dense = torch.quantile(row, finer).unique()
+                pick = torch.linspace(0, dense.numel() - 1, min(n_edges, dense.numel()))
+                edges = dense[pick.round().long().to(dense.device)]
             padded = torch.cat([edges, edges[-1:].expand(n_edges - edges.numel())])
-            self.edges[i] = padded.to(self.edges.dtype)
+            self.edges[i] = padded.to(self.edges)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self._checked:
+            if self.edges.isnan().any():
+                raise ValueError(
+                    "piecewise inputs without edges: call fit_edges on the train split"
+                )
+            self._checked = True
         left = self.edges[:, :-1]
         width = self.edges[:, 1:] - left
         offset = x[..., None] - left  # [B, L, C, K]

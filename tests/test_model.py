@@ -384,10 +384,17 @@ def test_piecewise_inputs_start_as_the_projection_and_fit_quantile_edges() -> No
     model = tiny(scramble=False, continuous_encoding="piecewise", continuous_bins=8)
     piecewise = model.continuous_projection
     assert isinstance(piecewise, PiecewiseLinearInputs)
+    with pytest.raises(ValueError, match="fit_edges"):  # edges never fitted: refused
+        model(**batch(LENGTHS))
     values = torch.rand(CONTINUOUS, 4000, generator=torch.Generator().manual_seed(0))
     values[0, :2000] = 0.0  # half the events at one value (every first event's age)
     values[1] = (values[1] * 3).floor()  # three distinct values only
+    values[3, :100] = float("nan")  # missing values do not count
     piecewise.fit_edges(values)
+    assert piecewise.edges.isfinite().all()
+    torch.testing.assert_close(
+        piecewise.edges[3], torch.quantile(values[3, 100:], torch.linspace(0, 1, 9))
+    )
     edges = piecewise.edges
     assert (edges[:, 1:] >= edges[:, :-1]).all()
     # The shared value is one edge; the other bins spread over the rest of the values.
