@@ -375,10 +375,11 @@ def fit(
     module = JourneyModule(model_config, settings, positives / n_train, fraction)
     # Piecewise inputs' bin edges: the train split's quantiles, before the first step (every
     # rank reads the same split, so every rank fits the same edges).
-    continuous = datamodule.splits["train"].continuous
-    if isinstance(module.model.continuous_projection, PiecewiseLinearInputs):
+    projection = module.model.continuous_projection
+    if isinstance(projection, PiecewiseLinearInputs):
+        continuous = datamodule.splits["train"].continuous
         assert continuous is not None, "a model with continuous inputs has them on train"
-        module.model.continuous_projection.fit_edges(continuous)
+        projection.fit_edges(continuous)
     last = checkpoint_dir / LAST_CHECKPOINT if (resume and checkpoint_dir) else None
     if resume and not (last and last.exists()):
         print("no checkpoint saved yet: training from the start, in the same run")
