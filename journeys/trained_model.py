@@ -458,59 +458,6 @@ def _check_sized_by(config: ModelConfig, encoder: JourneyEncoder) -> None:
         )
 
 
-def load_booster(path: Path) -> Any:
-    """A booster file (a fitted `HistGradientBoostingClassifier`) read with skops, which
-    loads only the types it trusts: its defaults and `BOOSTER_TYPES`.
-
-    Among its defaults, `skops.io` trusts every estimator scikit-learn has, and to list them
-    on import (`sklearn.utils.all_estimators`) it imports all of scikit-learn: 1.6 s of a
-    nightly scoring process (benchmarks/daily.py). When skops is first imported here, that
-    list is the estimators imported with the booster's own module instead (every class a
-    booster can hold is among them), so loading is faster and trusts no more: a file
-    holding an estimator from elsewhere in scikit-learn is refused. A process that imported
-    skops before keeps skops' full list.
-    """
-    import sys
-
-    if "skops.io" not in sys.modules:
-        import sklearn.utils
-        from sklearn.ensemble import HistGradientBoostingClassifier  # noqa: F401
-
-        every_estimator = sklearn.utils.all_estimators
-        sklearn.utils.all_estimators = _estimators_imported  # type: ignore[assignment]
-        try:
-            import skops.io  # noqa: F401
-        finally:
-            sklearn.utils.all_estimators = every_estimator
-    from skops.io import load
-
-    return load(path, trusted=list(BOOSTER_TYPES))
-
-
-def _estimators_imported(*_: Any, **__: Any) -> list[tuple[str, type]]:
-    """What `sklearn.utils.all_estimators` lists (scikit-learn's public, concrete
-    estimators), of the classes imported so far."""
-    import inspect
-
-    from sklearn.base import BaseEstimator
-
-    seen: set[type] = set()
-    todo = [BaseEstimator]
-    while todo:
-        for cls in todo.pop().__subclasses__():
-            if cls not in seen:
-                seen.add(cls)
-                todo.append(cls)
-    public = (
-        cls
-        for cls in seen
-        if cls.__module__.startswith("sklearn.")
-        and not cls.__name__.startswith("_")
-        and not inspect.isabstract(cls)
-    )
-    return sorted(((cls.__name__, cls) for cls in public), key=lambda pair: pair[0])
-
-
 def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
     """The stack or the baseline a saved model serves (neither: the network's own).
 
@@ -521,7 +468,11 @@ def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
     from journeys.stacking import Stack
 
     def booster(name: str) -> Any:
-        return load_booster(folder / name) if (folder / name).exists() else None
+        if not (folder / name).exists():
+            return None
+        from skops.io import load
+
+        return load(folder / name, trusted=list(BOOSTER_TYPES))
 
     if (folder / HEAD_FILE).exists():
         head = json.loads((folder / HEAD_FILE).read_text())

@@ -4,9 +4,6 @@ attention."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -130,60 +127,6 @@ def test_a_saved_stack_round_trips_and_a_foreign_booster_is_refused(
     dump(NotABooster(), tmp_path / "model" / HEAD_BOOSTER)
     with pytest.raises(InputError, match="damaged model files"):
         TrainedModel.load(tmp_path / "model")
-
-
-# Run in a fresh process, as a nightly `journeys score` loads its champion.
-LOAD_IN_A_FRESH_PROCESS = """
-import json, sys
-from pathlib import Path
-import numpy as np
-import sklearn.utils
-listing = sklearn.utils.all_estimators
-from journeys.trained_model import load_booster
-folder = Path(sys.argv[1])
-booster = load_booster(folder / "booster.skops")
-try:
-    load_booster(folder / "other.skops")
-    refused = ""
-except Exception as error:
-    refused = type(error).__name__
-print(json.dumps({
-    "proba": booster.predict_proba(np.load(folder / "x.npy"))[:, 1].tolist(),
-    "refused": refused,
-    "restored": sklearn.utils.all_estimators is listing,
-    "imported": [m for m in ("sklearn.gaussian_process", "sklearn.neural_network",
-                             "sklearn.semi_supervised") if m in sys.modules],
-}))
-"""
-
-
-def test_a_booster_loads_in_a_fresh_process_without_all_of_scikit_learn(tmp_path: Path) -> None:
-    """The product's booster (a categorical column: it holds a column transformer and an
-    ordinal encoder) reads back with its probabilities; scikit-learn's other estimators stay
-    unimported (skops would list them all); the listing is scikit-learn's again after; and
-    a file holding an estimator from elsewhere (which skops trusts by default) is refused."""
-    from sklearn.ensemble import HistGradientBoostingClassifier
-    from sklearn.naive_bayes import GaussianNB
-    from skops.io import dump
-
-    rng = np.random.default_rng(0)
-    x = np.column_stack([rng.normal(size=300), rng.integers(0, 4, 300)])
-    y = (x[:, 0] + 0.5 * (x[:, 1] == 2) + 0.5 * rng.normal(size=300) > 0).astype(int)
-    categorical = np.array([False, True])
-    booster = HistGradientBoostingClassifier(categorical_features=categorical, random_state=0)
-    booster.fit(x, y)
-    dump(booster, tmp_path / "booster.skops")
-    dump(GaussianNB().fit(x, y), tmp_path / "other.skops")
-    np.save(tmp_path / "x.npy", x)
-    done = subprocess.run(
-        [sys.executable, "-c", LOAD_IN_A_FRESH_PROCESS, str(tmp_path)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    loaded = json.loads(done.stdout.strip().splitlines()[-1])
-    np.testing.assert_allclose(loaded["proba"], booster.predict_proba(x)[:, 1])
-    assert loaded["refused"] == "UntrustedTypesFoundException"
-    assert loaded["restored"]
-    assert loaded["imported"] == []
 
 
 def test_the_blend_takes_what_each_model_knows() -> None:
