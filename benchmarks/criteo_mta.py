@@ -22,7 +22,7 @@ one second after its last touch. `conf/public_criteo_mta.yaml` ingests them: the
 uses the train journeys with the product's own temporal split, and the test journeys only
 for the final figure (`--evaluate RUN_MODEL`), never to choose anything.
 
-What decides these journeys is how they were cut: no unconverted journey lasts longer than
+What decides these journeys is, most likely, how they were cut: no unconverted journey lasts longer than
 259,200 s (exactly 3 days) from its first touch to its last, while 74% of the converted
 train journeys do (57% of the test ones). A model that places that step in the duration
 ranks most conversions first; gradient boosting on the duration alone reaches 0.93 test ROC
