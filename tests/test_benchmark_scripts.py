@@ -49,3 +49,25 @@ def test_default_suite_runs_each_variant_on_a_committed_sample() -> None:
     assert [row.split(" | ")[1] for row in rows] == list(VARIANTS)
     # The deletion test ran on each: top and random logit drops.
     assert all(re.search(r"\| -?\d+\.\d+ / -?\d+\.\d+ \(", row) for row in rows)
+
+
+def test_the_suite_decides_on_the_mean_over_seeds() -> None:
+    """Two seeds of one candidate on one log: the change is their mean, and its interval
+    adds their spread to their own width; a run without seeds keeps its change as it was."""
+    import math
+
+    from benchmarks.suite import over_seeds
+
+    def change(seed: int | None, auc: tuple[float, float, float]) -> dict:
+        return {"log": "taobao", "variant": "floor600", "seed": seed, "tells": True,
+                "auc": auc, "attention": (0.0, -0.1, 0.1)}  # fmt: skip
+
+    (alone,) = over_seeds([change(None, (0.01, 0.0, 0.02))])
+    assert alone["auc"] == pytest.approx((0.01, 0.0, 0.02))
+    (both,) = over_seeds([change(0, (0.01, 0.0, 0.02)), change(1, (-0.01, -0.02, 0.0))])
+    mean, low, high = both["auc"]
+    assert mean == pytest.approx(0.0)
+    # each seed's half-width 0.01; the two values' variance of the mean 1e-4
+    assert high - mean == pytest.approx(math.sqrt(0.01**2 + 1.96**2 * 1e-4))
+    assert mean - low == pytest.approx(high - mean)
+    assert both["attention"] == pytest.approx((0.0, -0.1, 0.1))
