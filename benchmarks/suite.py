@@ -66,6 +66,8 @@ VARIANTS = {
     "wide": ["model.wide=true"],  # journey aggregates beside the sequence (Wide & Deep)
     # each continuous input's train-quantile bins beside the projection (PLE)
     "piecewise": ["model.continuous_encoding=piecewise"],
+    # more of the negatives sampling leaves out, where it binds (the large logs)
+    "steps4500": ["train.min_steps=4500"],
 }
 
 
