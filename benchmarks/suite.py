@@ -66,7 +66,7 @@ VARIANTS = {
     "wide": ["model.wide=true"],  # journey aggregates beside the sequence (Wide & Deep)
     # each continuous input's train-quantile bins beside the projection (PLE)
     "piecewise": ["model.continuous_encoding=piecewise"],
-    # more of the negatives sampling leaves out, where it binds (the large logs)
+    # on large logs, where negative sampling binds: half as many more negatives an epoch
     "steps4500": ["train.min_steps=4500"],
 }
 
@@ -298,25 +298,34 @@ def against_defaults(rows: list[dict]) -> list[dict]:
 
 
 def over_seeds(changes: list[dict]) -> list[dict]:
-    """Each (log, variant)'s changes averaged over its seeds. The interval's half-width adds
-    the seeds' spread of the mean to the mean of their variances (each seed's interval is
-    on the same test journeys, so their noise is not averaged away); one seed: unchanged."""
+    """Each (log, variant)'s changes averaged over its seeds, with `seeds` their number (a
+    seed whose run or whose defaults' run failed is not among them). The interval's
+    half-width is sqrt(mean per-seed half-width^2 + t^2 x the variance of the mean over
+    seeds), t Student's 97.5% quantile with one fewer degrees of freedom than seeds. Every
+    seed is judged on the same test journeys, so their test noise is taken as fully shared
+    (not averaged away): an upper bound on that part. A single seed's change is kept."""
+    from scipy.stats import t as student_t
+
     groups: dict[tuple[str, str], list[dict]] = {}
     for change in changes:
         groups.setdefault((change["log"], change["variant"]), []).append(change)
 
     def combined(triples: list[tuple[float, float, float]]) -> tuple[float, float, float]:
         values = np.array([value for value, _, _ in triples])
-        halves = np.array([(high - low) / 2 for _, low, high in triples])
-        spread = values.var(ddof=1) / values.size if values.size > 1 else 0.0
-        half = math.sqrt(float(np.mean(halves**2)) + 1.96**2 * spread)
+        half_widths = np.array([(high - low) / 2 for _, low, high in triples])
+        variance_of_mean = values.var(ddof=1) / values.size
+        quantile = float(student_t.ppf(0.975, values.size - 1))
+        half = math.sqrt(float(np.mean(half_widths**2)) + quantile**2 * variance_of_mean)
         mean = float(values.mean())
         return mean, mean - half, mean + half
 
     return [
-        {
-            **group[0],
+        group[0] | {"seeds": 1}
+        if len(group) == 1
+        else group[0]
+        | {
             "seed": None,
+            "seeds": len(group),
             "auc": combined([c["auc"] for c in group]),
             "attention": combined([c["attention"] for c in group]),
         }
@@ -348,13 +357,13 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
     ]
     for row in rows:
         if "outcome" in row:
-            lines.append(f"| {row['log']} | {name(row)} | {row['outcome']} ||||||||||")
+            lines.append(f"| {row['log']} | {variant_label(row)} | {row['outcome']} ||||||||||")
             continue
         low, high = row["ci"]
         bayes = "" if math.isnan(row["bayes"]) else f"{row['bayes']:.4f}"
         tells = "yes" if row["conversions"] >= CAN_TELL else "no"
         lines.append(
-            f"| {row['log']} | {name(row)} | {row['n']} ({row['conversions']}) | {tells} "
+            f"| {row['log']} | {variant_label(row)} | {row['n']} ({row['conversions']}) | {tells} "
             f"| {row['transformer']:.4f} [{low:.3f}, {high:.3f}] "
             f"| {row['served_kind']} {row['served']:.4f} | {row['best_kind']} {row['best']:.4f} "
             f"| {row['hgb_aggregates']:.4f} | {bayes} | {row['deletion'][0]:.3f} / "
@@ -366,7 +375,7 @@ def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float)
     return "\n".join(lines)
 
 
-def name(row: dict) -> str:
+def variant_label(row: dict) -> str:
     """The variant, and its seed when the run has `--seeds`."""
     return row["variant"] if row.get("seed") is None else f"{row['variant']} (seed {row['seed']})"
 
@@ -384,15 +393,17 @@ def changes_markdown(changes: list[dict]) -> list[str]:
     lines = [
         "Each variant against the defaults, on the same test journeys (variant less "
         "defaults, 95% paired intervals): the served test ROC AUC, and attention's deletion "
-        "effect (per journey, the top event's logit drop less a random event's).",
+        "effect (per journey, the top event's logit drop less a random event's). With "
+        "`--seeds`: the mean over the seeds each pair trained with, and their number.",
         "",
         "| variant | log | can tell | served ROC AUC | attention deletion effect |",
         "|---|---|---|---|---|",
     ]
     for change in changes:
         tells = "yes" if change["tells"] else "no"
+        seeds = f" ({change['seeds']} seeds)" if change["seeds"] > 1 else ""
         lines.append(
-            f"| {change['variant']} | {change['log']} | {tells} | {cell(change['auc'])} "
+            f"| {change['variant']}{seeds} | {change['log']} | {tells} | {cell(change['auc'])} "
             f"| {cell(change['attention'])} |"
         )
     lines += ["", "| variant | mean served ROC AUC change (logs that can tell) | worse beyond "
@@ -439,7 +450,7 @@ def main() -> None:
             continue
         print(f"{log.name} ({log.note})", flush=True)
         chosen = {name: VARIANTS[name] for name in args.variants or VARIANTS}
-        rows += run_log(log, chosen, args.seeds)
+        rows += run_log(log, chosen, sorted(set(args.seeds)) if args.seeds else None)
         print(f"  {rows[-1]}", flush=True)
     command = "python benchmarks/suite.py " + " ".join(sys.argv[1:])
     text = markdown(rows, command.strip(), skipped, time.perf_counter() - started)

@@ -51,23 +51,60 @@ def test_default_suite_runs_each_variant_on_a_committed_sample() -> None:
     assert all(re.search(r"\| -?\d+\.\d+ / -?\d+\.\d+ \(", row) for row in rows)
 
 
+def test_the_suite_pairs_each_seed_with_the_defaults_of_that_seed() -> None:
+    """Two seeds where the candidate's probabilities equal the defaults' of the same seed:
+    every per-seed change is 0, whatever the seeds differ by; paired with the other seed's
+    defaults they would not be."""
+    import numpy as np
+    import polars as pl
+
+    from benchmarks.suite import against_defaults
+
+    rng = np.random.default_rng(0)
+    labels = np.array([0, 1] * 100)
+    deletion = pl.DataFrame({"journey_id": ["a", "b"], "top": [0.3, 0.1], "random": [0.1, 0.0]})
+    by_seed = {seed: rng.random(labels.size) for seed in (0, 1)}
+
+    def row(variant: str, seed: int) -> dict:
+        return {"log": "taobao", "variant": variant, "seed": seed, "conversions": 100,
+                "test_labels": labels, "served_p": by_seed[seed],
+                "deletion_by_journey": deletion}  # fmt: skip
+
+    changes = against_defaults([row(v, s) for v in ("defaults", "floor600") for s in (0, 1)])
+    assert [(c["seed"], c["auc"][0]) for c in changes] == [(0, 0.0), (1, 0.0)]
+    assert all(c["tells"] and c["attention"][0] == 0.0 for c in changes)
+
+
 def test_the_suite_decides_on_the_mean_over_seeds() -> None:
-    """Two seeds of one candidate on one log: the change is their mean, and its interval
-    adds their spread to their own width; a run without seeds keeps its change as it was."""
+    """Three seeds of one candidate on one log: the change is their mean, and its interval
+    adds their spread (Student's t, 2 degrees of freedom) to their mean squared half-width;
+    another log's single run keeps its change as it was."""
     import math
+
+    from scipy.stats import t as student_t
 
     from benchmarks.suite import over_seeds
 
-    def change(seed: int | None, auc: tuple[float, float, float]) -> dict:
-        return {"log": "taobao", "variant": "floor600", "seed": seed, "tells": True,
+    def change(log: str, seed: int | None, auc: tuple[float, float, float]) -> dict:
+        return {"log": log, "variant": "floor600", "seed": seed, "tells": True,
                 "auc": auc, "attention": (0.0, -0.1, 0.1)}  # fmt: skip
 
-    (alone,) = over_seeds([change(None, (0.01, 0.0, 0.02))])
-    assert alone["auc"] == pytest.approx((0.01, 0.0, 0.02))
-    (both,) = over_seeds([change(0, (0.01, 0.0, 0.02)), change(1, (-0.01, -0.02, 0.0))])
-    mean, low, high = both["auc"]
+    three = [
+        change("taobao", 0, (0.03, 0.02, 0.04)),
+        change("taobao", 1, (0.00, -0.02, 0.02)),
+        change("taobao", 2, (-0.03, -0.06, 0.00)),
+    ]
+    alone = change("bpic2012", None, (0.01, 0.0, 0.02))
+    combined, kept = over_seeds([*three, alone])
+    assert kept == alone | {"seeds": 1}
+    assert combined["seeds"] == 3 and combined["seed"] is None
+    mean, low, high = combined["auc"]
     assert mean == pytest.approx(0.0)
-    # each seed's half-width 0.01; the two values' variance of the mean 1e-4
-    assert high - mean == pytest.approx(math.sqrt(0.01**2 + 1.96**2 * 1e-4))
+    mean_square_half = (0.01**2 + 0.02**2 + 0.03**2) / 3
+    variance_of_mean = 0.03**2 * 2 / 2 / 3  # values 0.03, 0, -0.03: sample variance 9e-4
+    quantile = student_t.ppf(0.975, 2)
+    assert high - mean == pytest.approx(
+        math.sqrt(mean_square_half + quantile**2 * variance_of_mean)
+    )
     assert mean - low == pytest.approx(high - mean)
-    assert both["attention"] == pytest.approx((0.0, -0.1, 0.1))
+    assert combined["attention"] == pytest.approx((0.0, -0.1, 0.1))
