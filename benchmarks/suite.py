@@ -319,18 +319,17 @@ def over_seeds(changes: list[dict]) -> list[dict]:
         mean = float(values.mean())
         return mean, mean - half, mean + half
 
-    return [
-        group[0] | {"seeds": 1}
-        if len(group) == 1
-        else group[0]
-        | {
-            "seed": None,
-            "seeds": len(group),
-            "auc": combined([c["auc"] for c in group]),
-            "attention": combined([c["attention"] for c in group]),
-        }
-        for group in groups.values()
-    ]
+    out = []
+    for group in groups.values():
+        first = group[0] | {"seeds": len(group)}
+        if len(group) > 1:
+            first |= {
+                "seed": None,
+                "auc": combined([c["auc"] for c in group]),
+                "attention": combined([c["attention"] for c in group]),
+            }
+        out.append(first)
+    return out
 
 
 def markdown(rows: list[dict], command: str, skipped: list[str], seconds: float) -> str:
