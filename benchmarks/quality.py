@@ -40,6 +40,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 BENCH = ROOT / "data" / "bench" / "quality"
+# At 100k users the gap to the oracle is mostly a lack of converted journeys (it shrinks
+# with data: RESULTS.md); 400k users is a small AdTech log and trains in minutes.
+LARGE_USERS = 400_000
 METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
 
 
@@ -216,9 +219,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "conf" / "default.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    # At 100k users the gap to the oracle is mostly a lack of converted journeys (it shrinks
-    # with data: RESULTS.md); 400k users is a small AdTech log and trains in minutes.
-    parser.add_argument("--users", type=int, default=400_000)
+    parser.add_argument("--users", type=int, default=LARGE_USERS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--sim-seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=BENCH, help="journeys, runs, results")

@@ -2,15 +2,14 @@
 
 A default changes only when it is no worse on any log of the suite, for AUC and for
 attribution alike. For each log (the simulator, the second generator with mechanics of
-its own, BPIC 2012 when `../shared` has it, the committed samples, and the public real
-logs of `benchmarks/public_logs.py` that were brought in; a missing one is skipped and
-said) this ingests once with the log's configuration and trains with each variant, then
-prints one table: split sizes, test ROC AUC with its interval, the ROC AUC of a
-generator's true probability on the same test labels, the best val ROC AUC,
-`hgb_aggregates` on the same test split, the champion decision, and the attention deletion
-test (mean drop
-in probability when each test journey loses its most-attended event, against a random
-one: above 1 means attention finds what matters).
+its own, the simulator at 400k users, BPIC 2012 when `../shared` has it, the committed
+samples, and the public real logs of `benchmarks/public_logs.py` that were brought in; a
+missing one is skipped and said) this ingests once with the log's configuration and
+trains with each variant, then prints one table: split sizes, test ROC AUC with its
+interval, the ROC AUC of a generator's true probability on the same test labels, the best
+val ROC AUC, `hgb_aggregates` on the same test split, the champion decision, and the
+attention deletion test (mean drop in probability when each test journey loses its
+most-attended event, against a random one: above 1 means attention finds what matters).
 
     python benchmarks/suite.py                      # the defaults against each candidate
     python benchmarks/suite.py --logs bpic2012_sample ga4_sample
@@ -66,8 +65,7 @@ VARIANTS = {
     "wide": ["model.wide=true"],  # journey aggregates beside the sequence (Wide & Deep)
     # each continuous input's train-quantile bins beside the projection (PLE)
     "piecewise": ["model.continuous_encoding=piecewise"],
-    # on large logs, where negative sampling binds: half as many more negatives an epoch
-    "steps4500": ["train.min_steps=4500"],
+    "steps3000": ["train.min_steps=3000"],  # the default before 2026-12-07
 }
 
 
@@ -82,6 +80,17 @@ def second_generator(out: Path) -> Path:
     return generate(out, users=SIMULATED_USERS, seed=0)
 
 
+def simulated_large(_out: Path) -> Path:
+    """The log of `benchmarks/quality.py` (its gap to Bayes), simulated once into its cache."""
+    from benchmarks.quality import BENCH, LARGE_USERS
+    from journeys.simulate import simulate
+
+    raw = BENCH / f"events-{LARGE_USERS}-0"
+    if not (raw / "_truth" / "journeys.parquet").exists():
+        simulate(raw, users=LARGE_USERS, seed=0)
+    return raw
+
+
 @dataclass(frozen=True)
 class Log:
     name: str
@@ -89,12 +98,17 @@ class Log:
     raw: Path | None  # None: made by `make` into the work folder
     note: str
     make: Callable[[Path], Path] | None = None  # writes raw events and their `_truth/`
+    overrides: tuple[str, ...] = ()  # settings of the log on top of its configuration
 
 
 LOGS = (
     Log("simulator", "conf/default.yaml", None, f"{SIMULATED_USERS:,} users, seed 0", simulated),
     Log("second_generator", "conf/default.yaml", None,
         f"other mechanics, {SIMULATED_USERS:,} users, seed 0", second_generator),
+    # A large log, where negative sampling binds: the quality benchmark's, price read.
+    Log("simulator_large", "conf/default.yaml", None,
+        "400,000 users, seed 0, price as a number (benchmarks/quality.py's log)",
+        simulated_large, ("data.numeric_features=[price]",)),
     Log("bpic2012", "conf/bpic2012.yaml", ROOT.parent / "shared/data/bpic2012/events.csv.gz",
         "the full log (../shared, optional)"),
     Log("bpic2012_sample", "conf/bpic2012.yaml", ROOT / "data/samples/bpic2012/events.csv.gz",
@@ -140,6 +154,7 @@ def run_log(log: Log, variants: dict[str, list[str]], seeds: list[int] | None = 
         f"paths.raw={raw}",
         f"paths.journeys={work / 'journeys'}",
         f"paths.quarantine={work / 'quarantine'}",
+        *log.overrides,
     ]
     rows = []
     with contextlib.redirect_stdout(io.StringIO()):
@@ -166,7 +181,7 @@ def run_log(log: Log, variants: dict[str, list[str]], seeds: list[int] | None = 
             continue
         metrics = result.metrics
         test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
-        truth = work / "raw" / "_truth"
+        truth = Path(raw) / "_truth"
         run_models = {"transformer": metrics["test_roc_auc"]}
         if "stacked_test_roc_auc" in metrics:
             run_models["stack"] = metrics["stacked_test_roc_auc"]
