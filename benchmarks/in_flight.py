@@ -278,7 +278,7 @@ def main() -> None:
     default = results["journey (default), in-flight"]
     print(
         f"every_prefix in-flight: ECE {prefix['ece']:.4f} (target <= {ECE_TARGET}), ROC AUC "
-        f"{prefix['roc_auc'] - default['roc_auc']:+.3f} against the default objective's"
+        f"{prefix['roc_auc'] - default['roc_auc']:+.4f} against the default objective's"
     )
     if first["conversions"] < 100:
         print(
@@ -290,7 +290,7 @@ def main() -> None:
 
         record_section(
             f"## In-flight replay ({datetime.now(UTC):%Y-%m-%d}, {machine()})\n\n"
-            f"`.venv/bin/python benchmarks/in_flight.py --record` ({args.users:,} users, "
+            f"`.venv/bin/python benchmarks/in_flight.py --users {args.users} --record` ({args.users:,} users, "
             f"cut at day {args.cut_day:g} of {args.days}). {summary}\n\n{text}\n"
         )
 
