@@ -490,8 +490,9 @@ class Train(Section):
     positive_share: Annotated[float, Field(gt=0, lt=1)] | None = 0.25
     # ... but sampling never leaves a run fewer optimiser steps than this (where the data
     # have them): on small data it draws more negatives, up to all. 0: the share alone.
-    # 3000 is about what 12 epochs make at 400k users, where the share met the target.
-    min_steps: Annotated[int, Field(ge=0)] = 3000
+    # 4500 (3000 until 2026-12-07): half as many negatives more an epoch at 400k users
+    # took the gap to the Bayes-optimal AUC from 0.0102 to 0.0095 (docs/model.md).
+    min_steps: Annotated[int, Field(ge=0)] = 4500
     # The fewest optimiser steps a run makes: where the data give fewer at `batch_size`
     # in `max_epochs`, batches shrink down to `min_batch_size`, then epochs grow
     # (`journeys.lightning_parts.step_schedule`). 0 (off) by default: 600 taught a
