@@ -290,7 +290,7 @@ def main() -> None:
 
         record_section(
             f"## In-flight replay ({datetime.now(UTC):%Y-%m-%d}, {machine()})\n\n"
-            f"`.venv/bin/python benchmarks/in_flight.py --users {args.users} --record` ({args.users:,} users, "
+            f"`.venv/bin/python benchmarks/in_flight.py {' '.join(sys.argv[1:])}` ({args.users:,} users, "
             f"cut at day {args.cut_day:g} of {args.days}). {summary}\n\n{text}\n"
         )
 

@@ -54,7 +54,7 @@ def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str], w
     from journeys.simulate import simulate
 
     raw = BENCH / f"events-{users}-{sim_seed}"
-    if not (raw / "_truth" / "journeys.parquet").exists():
+    if not (raw / "_truth" / "summary.json").exists():  # written last: a whole log
         simulate(raw, users=users, seed=sim_seed)
     uri = f"sqlite:///{work / 'mlflow.db'}"
     config = load_config(

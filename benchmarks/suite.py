@@ -12,6 +12,7 @@ attention deletion test (mean drop in probability when each test journey loses i
 most-attended event, against a random one: above 1 means attention finds what matters).
 
     python benchmarks/suite.py                      # the defaults against each candidate
+                                                    # (the 400k-user log: ~4 min a variant)
     python benchmarks/suite.py --logs bpic2012_sample ga4_sample
     python benchmarks/suite.py --logs taobao --variants defaults piecewise --seeds 0 1 2 3 4
 
@@ -86,7 +87,7 @@ def simulated_large(_out: Path) -> Path:
     from journeys.simulate import simulate
 
     raw = BENCH / f"events-{LARGE_USERS}-0"
-    if not (raw / "_truth" / "journeys.parquet").exists():
+    if not (raw / "_truth" / "summary.json").exists():  # written last: a whole log
         simulate(raw, users=LARGE_USERS, seed=0)
     return raw
 
@@ -95,7 +96,7 @@ def simulated_large(_out: Path) -> Path:
 class Log:
     name: str
     config: str
-    raw: Path | None  # None: made by `make` into the work folder
+    raw: Path | None  # None: made by `make` (into the work folder, or a cache of its own)
     note: str
     make: Callable[[Path], Path] | None = None  # writes raw events and their `_truth/`
     overrides: tuple[str, ...] = ()  # settings of the log on top of its configuration
