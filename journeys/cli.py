@@ -17,12 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from journeys.config import Config, load_config, redact_uri
-from journeys.errors import Interrupted, JourneysError
+from journeys.errors import STOP_SIGNALS, Interrupted, JourneysError
 from journeys.pipeline_lock import stage_lock
 
 EXIT_BAD_INPUT = 2
 EXIT_ALERTS = 3  # `journeys monitor`: some check alerted (docs/monitoring.md)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The garbage collector of a `journeys` console-script process (`run`; `main`, which tests,
 # flows and `python -m journeys.cli` call, keeps Python's defaults). Importing torch,
 # MLflow and scikit-learn builds millions of objects that live until the process ends: at

@@ -1,5 +1,9 @@
 """Errors that mean "bad input or configuration": the CLI prints them on one line, exit 2."""
 
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a scheduler's stop, Ctrl+C: `Interrupted`
+
 
 class JourneysError(Exception):
     """A user-facing problem with input, configuration or environment (exit code 2)."""

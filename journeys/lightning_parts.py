@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from journeys.encoding import (
     make_dataloader,
     sample_negatives,
 )
-from journeys.errors import ConfigError, InputError
+from journeys.errors import STOP_SIGNALS, ConfigError, InputError, Interrupted
 from journeys.inputs import EventInput, columns_of
 from journeys.model import JourneyTransformer, ModelConfig
 from journeys.vocab import Vocabularies
@@ -441,6 +443,48 @@ class ValidateLastEpoch(Callback):
             trainer.check_val_every_n_epoch = 1
 
 
+class StopBetweenSteps(Callback):
+    """SIGTERM or Ctrl+C during a fit stops it after the batch under way, not wherever the
+    signal lands: raised inside the logger's write to a SQLite store, the stop once left
+    that write's lock held, the run could not be ended KILLED and the command exited 1,
+    not 143. A second signal stops at once. (Lightning's own SIGTERM handler, which it
+    puts before this one, may stop the fit first, with its `SIGTERMException`: `fit` in
+    `journeys.train` turns that into `Interrupted`.)"""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.raised = False
+        self.previous: dict[int, Any] = {}
+
+    def _signalled(self, signum: int, _frame: object) -> None:
+        if self.signum is not None:
+            raise Interrupted(signum)
+        self.signum = signum
+
+    def _stop_if_signalled(self) -> None:
+        if self.signum is not None and not self.raised:
+            self.raised = True
+            raise Interrupted(self.signum)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {
+                signum: signal.signal(signum, self._signalled) for signum in STOP_SIGNALS
+            }
+
+    def on_train_batch_end(self, *_args: Any) -> None:
+        self._stop_if_signalled()
+
+    def on_validation_batch_end(self, *_args: Any) -> None:
+        self._stop_if_signalled()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+        self._stop_if_signalled()  # after the last batch: the fit stops all the same
+
+
 class EpochLines(Callback):
     """One line per validated epoch, for logs that are not a terminal (a scheduled run's
     file, a Prefect worker): a progress bar there shows nothing until it is flushed."""
@@ -556,6 +600,7 @@ def build_trainer(
         last,
         early_stopping,
         ValidateLastEpoch(),
+        StopBetweenSteps(),
         *weight_averaging(settings),
         *([EpochLines()] if progress and not bar else []),
     ]

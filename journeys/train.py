@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 import warnings
@@ -50,6 +51,7 @@ import numpy as np
 import polars as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from journeys import metrics as M
 from journeys import plots, tracking
@@ -64,7 +66,7 @@ from journeys.datasets import (
     training_journeys,
 )
 from journeys.encoding import EncodedJourneys, fraction_of_negatives, model_config_from
-from journeys.errors import JourneysError, first_line
+from journeys.errors import Interrupted, JourneysError, first_line
 from journeys.in_flight import QuietSurvival, recalibrate_in_flight
 from journeys.inference import attention_by_token, run_model
 from journeys.lightning_parts import (
@@ -387,7 +389,10 @@ def fit(
     with warnings.catch_warnings():
         if resume:  # the run's own checkpoints are expected there
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* not empty")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=last)
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=last)
+        except SIGTERMException:  # Lightning's own stop after a batch: a SystemExit(None)
+            raise Interrupted(signal.SIGTERM) from None
     return Fitted(module, datamodule, checkpoint)
 
 

@@ -750,6 +750,36 @@ def test_the_schedule_gives_small_logs_their_steps_and_leaves_large_ones_alone()
     assert two_ranks.steps_per_epoch == 3 and two_ranks.steps >= 600
 
 
+def test_a_stop_signal_during_a_fit_waits_for_the_batch_under_way() -> None:
+    """SIGTERM during a fit is held until the batch under way ends (never raised inside a
+    write to the run's store), a second one stops at once, and the handlers come back."""
+    import signal
+
+    from journeys.errors import Interrupted
+    from journeys.lightning_parts import StopBetweenSteps
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopBetweenSteps()
+    stop.setup(None, None, "fit")  # type: ignore[arg-type]
+    assert signal.getsignal(signal.SIGTERM) == stop._signalled
+    stop._signalled(signal.SIGTERM, None)  # what the signal does: nothing raised yet
+    with pytest.raises(Interrupted) as stopped:
+        stop.on_train_batch_end()
+    assert stopped.value.exit_code == 143
+    stop.on_validation_batch_end()  # Lightning's teardown after the stop: not raised twice
+    with pytest.raises(Interrupted):
+        stop._signalled(signal.SIGTERM, None)  # a second signal: at once
+    stop.teardown(None, None, "fit")  # type: ignore[arg-type]
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    late = StopBetweenSteps()  # a signal after the last batch: the fit still stops
+    late.setup(None, None, "fit")  # type: ignore[arg-type]
+    late._signalled(signal.SIGINT, None)
+    with pytest.raises(Interrupted) as stopped:
+        late.teardown(None, None, "fit")  # type: ignore[arg-type]
+    assert stopped.value.exit_code == 130 and signal.getsignal(signal.SIGTERM) == before
+
+
 @pytest.mark.slow
 def test_train_stopped_by_sigterm_exits_143_and_marks_its_run_killed(tmp_path: Path) -> None:
     import signal
