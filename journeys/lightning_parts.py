@@ -454,12 +454,22 @@ class StopBetweenSteps(Callback):
     def __init__(self) -> None:
         self.signum: int | None = None
         self.raised = False
+        self.active = False
         self.previous: dict[int, Any] = {}
 
     def _signalled(self, signum: int, _frame: object) -> None:
+        if not self.active:  # left installed by a stopped fit (Lightning restores it)
+            self._restore()
+            signal.raise_signal(signum)  # to the handler from before the fit
+            return
         if self.signum is not None:
             raise Interrupted(signum)
         self.signum = signum
+
+    def _restore(self) -> None:
+        self.active = False
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
     def _stop_if_signalled(self) -> None:
         if self.signum is not None and not self.raised:
@@ -468,6 +478,7 @@ class StopBetweenSteps(Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if threading.current_thread() is threading.main_thread():
+            self.active = True
             self.previous = {
                 signum: signal.signal(signum, self._signalled) for signum in STOP_SIGNALS
             }
@@ -478,10 +489,11 @@ class StopBetweenSteps(Callback):
     def on_validation_batch_end(self, *_args: Any) -> None:
         self._stop_if_signalled()
 
+    def on_exception(self, *_args: Any) -> None:
+        self._restore()
+
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous = {}
+        self._restore()
         self._stop_if_signalled()  # after the last batch: the fit stops all the same
 
 

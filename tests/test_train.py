@@ -779,6 +779,19 @@ def test_a_stop_signal_during_a_fit_waits_for_the_batch_under_way() -> None:
         late.teardown(None, None, "fit")  # type: ignore[arg-type]
     assert stopped.value.exit_code == 130 and signal.getsignal(signal.SIGTERM) == before
 
+    # Put back after the fit stopped (Lightning restores what it found): the handler from
+    # before the fit gets the signal.
+    got = []
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: got.append(signum))
+    left = StopBetweenSteps()
+    left.previous = {signal.SIGUSR1: signal.getsignal(signal.SIGUSR1)}
+    signal.signal(signal.SIGUSR1, left._signalled)
+    try:
+        signal.raise_signal(signal.SIGUSR1)
+        assert got == [signal.SIGUSR1] and left.signum is None
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
 
 @pytest.mark.slow
 def test_train_stopped_by_sigterm_exits_143_and_marks_its_run_killed(tmp_path: Path) -> None:
