@@ -46,16 +46,24 @@ LARGE_USERS = 400_000
 METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
 
 
-def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str], work: Path):
-    """Simulate (cached per size and seed) and ingest into `work`; return the config and
-    truth folder."""
-    from journeys.config import load_config
-    from journeys.ingest import run_ingest
+def simulated_log(users: int, sim_seed: int) -> Path:
+    """The simulated log of `users` users, made once per size and seed (a cache that
+    `benchmarks/suite.py` shares)."""
     from journeys.simulate import simulate
 
     raw = BENCH / f"events-{users}-{sim_seed}"
     if not (raw / "_truth" / "summary.json").exists():  # written last: a whole log
         simulate(raw, users=users, seed=sim_seed)
+    return raw
+
+
+def prepare(users: int, sim_seed: int, config_path: str, overrides: list[str], work: Path):
+    """Simulate (cached per size and seed) and ingest into `work`; return the config and
+    truth folder."""
+    from journeys.config import load_config
+    from journeys.ingest import run_ingest
+
+    raw = simulated_log(users, sim_seed)
     uri = f"sqlite:///{work / 'mlflow.db'}"
     config = load_config(
         config_path,

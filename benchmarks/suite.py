@@ -82,14 +82,10 @@ def second_generator(out: Path) -> Path:
 
 
 def simulated_large(_out: Path) -> Path:
-    """The log of `benchmarks/quality.py` (its gap to Bayes), simulated once into its cache."""
-    from benchmarks.quality import BENCH, LARGE_USERS
-    from journeys.simulate import simulate
+    """The log of `benchmarks/quality.py` (its gap to Bayes), from that benchmark's cache."""
+    from benchmarks.quality import LARGE_USERS, simulated_log
 
-    raw = BENCH / f"events-{LARGE_USERS}-0"
-    if not (raw / "_truth" / "summary.json").exists():  # written last: a whole log
-        simulate(raw, users=LARGE_USERS, seed=0)
-    return raw
+    return simulated_log(LARGE_USERS, 0)
 
 
 @dataclass(frozen=True)
