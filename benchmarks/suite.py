@@ -67,6 +67,8 @@ VARIANTS = {
     # each continuous input's train-quantile bins beside the projection (PLE)
     "piecewise": ["model.continuous_encoding=piecewise"],
     "steps3000": ["train.min_steps=3000"],  # the default before 2026-12-07
+    "so_far": ["model.journey_so_far=true"],  # journey-so-far counts and gaps on each event
+    "so_far+piecewise": ["model.journey_so_far=true", "model.continuous_encoding=piecewise"],
 }
 
 

@@ -418,6 +418,11 @@ class Model(Section):
     # weekday as points on a circle (`data.timezone`). Durations and the time of day that
     # 32 buckets blur, and that gradient boosting on aggregates uses (`hgb_aggregates`).
     time_encodings: bool = True
+    # Per event, the journey up to it as counts and gap statistics (events so far, those
+    # of the event's type, the largest and the mean log gap so far), continuous inputs after
+    # the time encodings: on the last event they are the journey aggregates gradient
+    # boosting wins with (`journeys.inputs.JOURNEY_SO_FAR`).
+    journey_so_far: bool = False
     # How a numeric feature enters an event (`data.numeric_features`): `projection` adds its
     # scaled value, a missing flag, its value against the journey's earlier values and that
     # carried forward to later events to the continuous inputs; `buckets` embeds the value

@@ -205,7 +205,9 @@ def encode_journeys(
 
     ids = [expr for key, column in keyed for expr in column.ids(key)]
     continuous = [
-        *inputs.time.continuous(pl.col("gap"), pl.col("since_start"), pl.col("time")),
+        *inputs.time.continuous(
+            pl.col("gap"), pl.col("since_start"), pl.col("time"), "journey", "s0"
+        ),
         *(expr for key, column in keyed for expr in column.continuous(key)),
     ]
     # Gaps on the flat events, not per list (`gap_seconds_expr`): 2x faster, same values.

@@ -68,6 +68,20 @@ TIME_ENCODINGS = (
 )
 # log1p(seconds) / log1p(30 days): durations from a second to a month land in [0, 1].
 LOG_SECONDS_SCALE = math.log1p(30 * 86400)
+# With `model.journey_so_far`, per event, the journey up to it as the aggregates gradient
+# boosting wins with (`hgb_aggregates`): its events so far, those of this event's type, and
+# the largest and the mean log gap so far (`log_gap`'s scale). On the last event, the one
+# the default pooling reads, they are the journey's own counts and gap statistics, which
+# attention would otherwise have to add up one event at a time. They read only the journey
+# up to the event, so prefixes (in-flight scoring, causal models) see what they would.
+JOURNEY_SO_FAR = (
+    "log_events_so_far",
+    "log_type_so_far",
+    "max_log_gap_so_far",
+    "mean_log_gap_so_far",
+)
+# log1p(count) / log1p(100): counts from 1 to 100 land in (0, 1].
+LOG_COUNT_SCALE = math.log1p(100)
 
 
 def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
@@ -81,6 +95,11 @@ def time_bucket_expr(seconds: pl.Expr, n_time_buckets: int) -> pl.Expr:
     return bucket.clip(1, max(1, n_time_buckets - 1)).cast(pl.Int64)
 
 
+def log_seconds(seconds: pl.Expr) -> pl.Expr:
+    """log1p(seconds) on `LOG_SECONDS_SCALE` (negative gaps, clock skew, count as 0)."""
+    return (seconds.clip(lower_bound=0) + 1).log() / LOG_SECONDS_SCALE
+
+
 def time_encoding_exprs(
     gap: pl.Expr, since_start: pl.Expr, time: pl.Expr, timezone: str
 ) -> list[pl.Expr]:
@@ -90,8 +109,8 @@ def time_encoding_exprs(
     hour = (local.dt.hour() + local.dt.minute() / 60) * (2 * math.pi / 24)
     weekday = (local.dt.weekday() - 1) * (2 * math.pi / 7)
     return [
-        ((gap.clip(lower_bound=0) + 1).log() / LOG_SECONDS_SCALE).alias("log_gap"),
-        ((since_start.clip(lower_bound=0) + 1).log() / LOG_SECONDS_SCALE).alias("log_since_start"),
+        log_seconds(gap).alias("log_gap"),
+        log_seconds(since_start).alias("log_since_start"),
         hour.sin().alias("hour_sin"),
         hour.cos().alias("hour_cos"),
         weekday.sin().alias("weekday_sin"),
@@ -108,20 +127,42 @@ class TimeInput:
 
     n_buckets: int = 32
     timezone: str | None = None
+    journey_so_far: bool = False  # `JOURNEY_SO_FAR` after the time encodings
 
     @property
     def n_continuous(self) -> int:
-        return len(TIME_ENCODINGS) if self.timezone else 0
+        encodings = len(TIME_ENCODINGS) if self.timezone else 0
+        return encodings + (len(JOURNEY_SO_FAR) if self.journey_so_far else 0)
 
     def bucket(self, gap: pl.Expr) -> pl.Expr:
         """The gap's bucket id (seconds since the previous event)."""
         return time_bucket_expr(gap, self.n_buckets)
 
-    def continuous(self, gap: pl.Expr, since_start: pl.Expr, time: pl.Expr) -> list[pl.Expr]:
-        """Per event, its `n_continuous` inputs (see `time_encoding_exprs`)."""
-        if not self.timezone:
-            return []
-        return time_encoding_exprs(gap, since_start, time, self.timezone)
+    def continuous(
+        self, gap: pl.Expr, since_start: pl.Expr, time: pl.Expr, journey: str, event: str
+    ) -> list[pl.Expr]:
+        """Per event, its `n_continuous` inputs (see `time_encoding_exprs` and
+        `journey_so_far_exprs`; `journey` and `event` name the columns that say which
+        journey an event is in, in time order, and its type)."""
+        encodings = (
+            time_encoding_exprs(gap, since_start, time, self.timezone) if self.timezone else []
+        )
+        if self.journey_so_far:
+            encodings += journey_so_far_exprs(gap, journey, event)
+        return encodings
+
+
+def journey_so_far_exprs(gap: pl.Expr, journey: str, event: str) -> list[pl.Expr]:
+    """Per event: `JOURNEY_SO_FAR`, over the events of its journey up to it."""
+    log_gap = log_seconds(gap)
+    events = pl.int_range(1, pl.len() + 1).over(journey)
+    same_type = pl.int_range(1, pl.len() + 1).over(journey, event)
+    return [
+        ((events + 0.0).log1p() / LOG_COUNT_SCALE).alias("log_events_so_far"),
+        ((same_type + 0.0).log1p() / LOG_COUNT_SCALE).alias("log_type_so_far"),
+        log_gap.cum_max().over(journey).alias("max_log_gap_so_far"),
+        (log_gap.cum_sum().over(journey) / events).alias("mean_log_gap_so_far"),
+    ]
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -449,7 +490,11 @@ class EventInputs:
             columns = [CategoricalInput(name) for name in vocabs.features]
         return cls(
             vocabs.event_type,
-            TimeInput(settings.time_buckets, timezone if settings.time_encodings else None),
+            TimeInput(
+                settings.time_buckets,
+                timezone if settings.time_encodings else None,
+                settings.journey_so_far,
+            ),
             tuple(column.fit(train, vocabs, settings) for column in columns),
         )
 

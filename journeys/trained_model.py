@@ -290,6 +290,7 @@ class TrainedModel:
                 "n_time_buckets": inputs.time.n_buckets,
                 "max_len": self.encoder.max_len,
                 "timezone": inputs.time.timezone,
+                "journey_so_far": inputs.time.journey_so_far,
                 "numeric_scaling": [[n.name, n.centre, n.scale] for n in numbers],
                 "numeric_inputs": n_inputs.pop(),
                 "numeric_bucket_edges": [list(edges) for n in numbers for edges in n.bucket_edges],
@@ -436,7 +437,11 @@ def _read_settings(
         )
     inputs = EventInputs(
         vocabs.event_type,
-        TimeInput(int(encoder["n_time_buckets"]), encoder["timezone"]),
+        TimeInput(
+            int(encoder["n_time_buckets"]),
+            encoder["timezone"],
+            bool(encoder.get("journey_so_far", False)),  # absent: saved before the option
+        ),
         (*(CategoricalInput(n, vocabs.by_column[n]) for n in vocabs.features), *numbers),
     )
     return (

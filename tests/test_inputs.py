@@ -229,3 +229,36 @@ def test_the_time_input_gives_buckets_and_encodings() -> None:
     encoded = JourneyEncoder(inputs, max_len=4).encode(journeys(5, seed=5))
     assert int(encoded.time_buckets.max()) < 8
     assert torch.isfinite(encoded.continuous).all()
+
+
+def test_journey_so_far_inputs_are_the_journey_up_to_each_event() -> None:
+    """With `model.journey_so_far`, each event carries its journey's counts and gap
+    statistics up to it (on the last event, the journey's own), the same whether the
+    journey is encoded whole or cut after that event (what in-flight scoring sees)."""
+    from journeys.inputs import JOURNEY_SO_FAR, LOG_COUNT_SCALE, LOG_SECONDS_SCALE
+
+    gaps = [0, 10, 3590, 5]  # seconds since the previous event
+    times = [START + timedelta(seconds=s) for s in np.cumsum(gaps).tolist()]
+    frame = pl.DataFrame(
+        {"event_type": [["view", "click", "view", "view"]], "event_time": [times]},
+        schema_overrides={"event_time": pl.List(pl.Datetime("us", "UTC"))},
+    )
+    inputs = EventInputs(VOCABS.event_type, TimeInput(8, "UTC", journey_so_far=True))
+    assert inputs.n_continuous == 6 + len(JOURNEY_SO_FAR)
+    encoder = JourneyEncoder(inputs, max_len=8)
+    so_far = encoder.encode(frame).continuous[6:].T.double().numpy()  # [events, 4]
+
+    counts = np.expm1(so_far[:, :2] * LOG_COUNT_SCALE)
+    np.testing.assert_allclose(counts[:, 0], [1, 2, 3, 4], atol=1e-4)  # events so far
+    np.testing.assert_allclose(counts[:, 1], [1, 1, 2, 3], atol=1e-4)  # of this event's type
+    log_gaps = np.log1p(gaps) / LOG_SECONDS_SCALE
+    np.testing.assert_allclose(so_far[:, 2], np.maximum.accumulate(log_gaps), atol=1e-6)
+    means = np.cumsum(log_gaps) / np.arange(1, 5)
+    np.testing.assert_allclose(so_far[:, 3], means, atol=1e-6)
+
+    cut = frame.with_columns(pl.col("event_type", "event_time").list.head(2))
+    np.testing.assert_array_equal(
+        encoder.encode(cut).continuous[6:].T.numpy(), so_far[:2].astype(np.float32)
+    )
+    # Off (the default), the encodings are the time's alone, as before the option.
+    assert EventInputs(VOCABS.event_type, TimeInput(8, "UTC")).n_continuous == 6

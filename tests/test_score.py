@@ -546,3 +546,22 @@ def test_chunks_are_the_fewest_of_at_most_the_setting_and_equal_in_size(total: i
     assert sum(rows for _, rows in chunks) == total
     sizes = {rows for _, rows in chunks}
     assert max(sizes, default=0) <= most and max(sizes, default=0) - min(sizes, default=0) <= 1
+
+
+def test_a_model_with_journey_so_far_inputs_loads_back_and_scores_the_same(
+    tmp_path: Path,
+) -> None:
+    """`model.journey_so_far` is saved with the model: loaded back, the encoder gives the
+    network the inputs it was trained on, and the probabilities are the same."""
+    data = journeys_folder(tmp_path / "journeys")
+    vocabs = Vocabularies.load(data)
+    folder = save_tiny_model(tmp_path / "model", vocabs, "model.journey_so_far=true")
+    loaded = load_model(str(folder))
+    assert loaded.encoder.inputs.time.journey_so_far
+    assert loaded.config.n_continuous == 6 + 4
+    frame = pl.read_parquet(data / "*.parquet")
+    first = loaded.predict_proba(frame)
+    again = TrainedModel.load(folder).predict_proba(frame)
+    np.testing.assert_allclose(first, again, rtol=1e-6)
+    without = save_tiny_model(tmp_path / "plain", vocabs)
+    assert not load_model(str(without)).encoder.inputs.time.journey_so_far
