@@ -14,7 +14,9 @@ take in) into folders of its own:
 
 - **as the schedule runs it**: the commands as processes, `journeys ingest` then
   `journeys score --model <the model>` (wall time: interpreter start, imports and model
-  loading included), against `journeys ingest --full` and `journeys score`;
+  loading included), against `journeys ingest --full` and `journeys score`; each against
+  an MLflow store that exists, as a deployment's does once it has trained, so `journeys
+  score` logs its scoring run as it does there (without a store it logs none);
 - **the work alone**: in a child process that reports its work time (imports excluded)
   and its peak memory: ingest, scoring and the attribution report `journeys score` writes
   after it (the nightly one reads only the scores files that changed, `_sums/`), and the
@@ -180,9 +182,25 @@ def journeys_command() -> str:
     return str(Path(sys.executable).with_name("journeys"))
 
 
+def tracking_store() -> Path:
+    """An MLflow store holding the default experiment, as a deployment's does once it has
+    trained (made once; each scheduled night starts from a copy of it)."""
+    from journeys.config import load_config
+    from journeys.tracking import get_experiment_id
+
+    store = WORK / "mlflow.db"
+    if not store.exists():
+        experiment = load_config(ROOT / "conf" / "default.yaml", []).mlflow.experiment
+        get_experiment_id(f"sqlite:///{store}", experiment)
+    return store
+
+
 def as_scheduled(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]:
     """The night as the schedule runs it: `journeys ingest` then `journeys score` as
-    processes; their wall times (s)."""
+    processes, `journeys score` logging its run to the deployment's store; their wall
+    times (s)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(tracking_store(), out / "mlflow.db")
     settings = [
         f"paths.raw={landing}",
         f"paths.journeys={out / 'journeys'}",
@@ -354,6 +372,7 @@ def main() -> None:
             "against a full rebuild of the same files (less the late-quarantined rows) in "
             "folders of its own. As scheduled: the two commands as processes (imports and "
             "loading the model, a stack with its booster, included), each in its own folders, "
+            "`journeys score` logging its run to an MLflow store that exists (SQLite), "
             "the attribution report too; work alone: in a child process (imports excluded), "
             "ingest, scoring and the attribution report `journeys score` writes, with its "
             "peak RSS; the monitor beside them. Target: day "
