@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from journeys.config import load_config  # noqa: E402
 from journeys.encoding import model_config_from_sizes  # noqa: E402
-from journeys.inputs import TIME_ENCODINGS  # noqa: E402
+from journeys.inputs import TimeInput  # noqa: E402
 from journeys.model import JourneyTransformer  # noqa: E402
 
 # Dense bf16 peak (TFLOP/s) by device name; fp32 runs are compared with the same peak.
@@ -47,13 +47,19 @@ VOCAB, FEATURE_VOCABS, TIME_BUCKETS = 64, (16, 8), 32
 
 def synthetic_config(settings, max_len: int):
     """The architecture of `settings` over made-up inputs: `VOCAB` event types, features of
-    `FEATURE_VOCABS` tokens, `TIME_BUCKETS` and the time encodings when they are on."""
+    `FEATURE_VOCABS` tokens, `TIME_BUCKETS` and the time's continuous inputs (time
+    encodings, the journey so far) when they are on."""
+    time = TimeInput(
+        TIME_BUCKETS,
+        "UTC" if settings.time_encodings else None,
+        journey_so_far=settings.journey_so_far,
+    )
     return model_config_from_sizes(
         settings,
         vocab_size=VOCAB,
         feature_vocab_sizes=FEATURE_VOCABS,
         n_time_buckets=TIME_BUCKETS,
-        n_continuous=len(TIME_ENCODINGS) if settings.time_encodings else 0,
+        n_continuous=time.n_continuous,
         max_len=max_len,
     )
 

@@ -228,8 +228,13 @@ def main() -> None:
     config = load_config(args.config, args.overrides)
     L.seed_everything(config.train.seed, verbose=False)
     sizes = [64, config.model.time_buckets, *(16 for _ in config.data.features)]
-    # The configuration's continuous inputs: the time encodings' and each number's.
-    time = TimeInput(config.model.time_buckets, "UTC" if config.model.time_encodings else None)
+    # The configuration's continuous inputs: the time's (encodings, the journey so far) and
+    # each number's.
+    time = TimeInput(
+        config.model.time_buckets,
+        "UTC" if config.model.time_encodings else None,
+        journey_so_far=config.model.journey_so_far,
+    )
     n_continuous = time.n_continuous + sum(c.n_continuous for c in columns_of(config.data))
     encoded = random_journeys(
         args.journeys,

@@ -420,8 +420,9 @@ class Model(Section):
     time_encodings: bool = True
     # Per event, the journey up to it as counts and gap statistics (events so far, those
     # of the event's type, the largest and the mean log gap so far), continuous inputs after
-    # the time encodings: on the last event they are the journey aggregates gradient
-    # boosting wins with (`journeys.inputs.JOURNEY_SO_FAR`).
+    # the time encodings: on the last event, a few of the journey aggregates gradient
+    # boosting wins with (`journeys.inputs.JOURNEY_SO_FAR`). Off: it lowered attention's
+    # deletion effect on the suite (docs/model.md).
     journey_so_far: bool = False
     # How a numeric feature enters an event (`data.numeric_features`): `projection` adds its
     # scaled value, a missing flag, its value against the journey's earlier values and that

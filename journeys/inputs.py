@@ -9,7 +9,8 @@ one kind (as Transformers4Rec's tagged schema picks one input module per kind of
   the value centred and scaled by the train split's events, as continuous inputs; with
   `model.numeric_encoding: buckets` two embedded train-quantile bucket ids instead;
 - `TimeInput`: the gap since the previous event by log bucket (`model.time_buckets`) and,
-  with `model.time_encodings`, the `TIME_ENCODINGS` read in `data.timezone`.
+  with `model.time_encodings`, the `TIME_ENCODINGS` read in `data.timezone`; with
+  `model.journey_so_far`, `JOURNEY_SO_FAR` (the journey's counts and gaps up to the event).
 
 `EventInputs` holds them all, fitted on the train split: the event type's vocabulary, the
 time and the columns, in the order the model reads them (`KINDS` order: categorical, then
@@ -68,12 +69,14 @@ TIME_ENCODINGS = (
 )
 # log1p(seconds) / log1p(30 days): durations from a second to a month land in [0, 1].
 LOG_SECONDS_SCALE = math.log1p(30 * 86400)
-# With `model.journey_so_far`, per event, the journey up to it as the aggregates gradient
-# boosting wins with (`hgb_aggregates`): its events so far, those of this event's type, and
-# the largest and the mean log gap so far (`log_gap`'s scale). On the last event, the one
-# the default pooling reads, they are the journey's own counts and gap statistics, which
-# attention would otherwise have to add up one event at a time. They read only the journey
-# up to the event, so prefixes (in-flight scoring, causal models) see what they would.
+# With `model.journey_so_far`, per event, the journey up to it as a few of the aggregates
+# gradient boosting wins with (`hgb_aggregates`): its events so far, those of this event's
+# type (as logged), and the largest and the mean log gap so far (`log_gap`'s scale, the
+# first event's gap counting 0). On the last event, the one the default pooling reads, they
+# are the journey's counts and gap statistics, which attention would otherwise add up one
+# event at a time; over the events the model reads (the most recent `journey.max_events`),
+# not those cut before. They read only the journey up to the event, so prefixes (in-flight
+# scoring, causal models) see what they would.
 JOURNEY_SO_FAR = (
     "log_events_so_far",
     "log_type_so_far",
@@ -158,8 +161,8 @@ def journey_so_far_exprs(gap: pl.Expr, journey: str, event: str) -> list[pl.Expr
     events = pl.int_range(1, pl.len() + 1).over(journey)
     same_type = pl.int_range(1, pl.len() + 1).over(journey, event)
     return [
-        ((events + 0.0).log1p() / LOG_COUNT_SCALE).alias("log_events_so_far"),
-        ((same_type + 0.0).log1p() / LOG_COUNT_SCALE).alias("log_type_so_far"),
+        (events.cast(pl.Float64).log1p() / LOG_COUNT_SCALE).alias("log_events_so_far"),
+        (same_type.cast(pl.Float64).log1p() / LOG_COUNT_SCALE).alias("log_type_so_far"),
         log_gap.cum_max().over(journey).alias("max_log_gap_so_far"),
         (log_gap.cum_sum().over(journey) / events).alias("mean_log_gap_so_far"),
     ]
@@ -493,7 +496,7 @@ class EventInputs:
             TimeInput(
                 settings.time_buckets,
                 timezone if settings.time_encodings else None,
-                settings.journey_so_far,
+                journey_so_far=settings.journey_so_far,
             ),
             tuple(column.fit(train, vocabs, settings) for column in columns),
         )

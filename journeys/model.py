@@ -5,7 +5,7 @@ Everything the model does is in this file, in the spirit of nanoGPT's `model.py`
 - each event is the sum of embeddings of its event type, each categorical feature, the
   time since the previous event (bucketed by `journeys.inputs.TimeInput`) and the gap that
   opened its visit (the latest gap of at least `visit_bucket`), plus a linear projection of
-  its `n_continuous` continuous inputs (time encodings, numeric features; with
+  its `n_continuous` continuous inputs (time encodings, the journey so far, numeric features; with
   `continuous_encoding` "periodic" or "piecewise" each input also through features of its
   own); id 0 is padding everywhere;
   `journeys.encoding.model_config_from` sizes the `ModelConfig` from the fitted encoder

@@ -440,7 +440,7 @@ def _read_settings(
         TimeInput(
             int(encoder["n_time_buckets"]),
             encoder["timezone"],
-            bool(encoder.get("journey_so_far", False)),  # absent: saved before the option
+            journey_so_far=bool(encoder.get("journey_so_far", False)),  # absent: older
         ),
         (*(CategoricalInput(n, vocabs.by_column[n]) for n in vocabs.features), *numbers),
     )

@@ -262,3 +262,21 @@ def test_journey_so_far_inputs_are_the_journey_up_to_each_event() -> None:
     )
     # Off (the default), the encodings are the time's alone, as before the option.
     assert EventInputs(VOCABS.event_type, TimeInput(8, "UTC")).n_continuous == 6
+
+
+def test_journey_so_far_inputs_start_again_with_each_journey() -> None:
+    """Journeys side by side (types interleaved) each count from their own first event,
+    over the events the model reads (`max_len`), with or without time encodings."""
+    from journeys.inputs import JOURNEY_SO_FAR, LOG_COUNT_SCALE
+
+    frame = journeys(40, seed=3)
+    inputs = EventInputs(VOCABS.event_type, TimeInput(8, None, journey_so_far=True))
+    assert inputs.n_continuous == len(JOURNEY_SO_FAR)
+    encoded = JourneyEncoder(inputs, max_len=3).encode(frame)
+    counts = np.rint(np.expm1(encoded.continuous[:2].double().numpy() * LOG_COUNT_SCALE))
+    kept = frame.select(pl.col("event_type").list.tail(3)).to_series().to_list()
+    expected_events = [i + 1 for types in kept for i in range(len(types))]
+    expected_type = [types[: i + 1].count(t) for types in kept for i, t in enumerate(types)]
+    assert counts[0].tolist() == expected_events
+    assert counts[1].tolist() == expected_type
+    assert max(expected_type) > 1 and max(len(t) for t in kept) == 3  # cut, with repeats

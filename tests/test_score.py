@@ -552,16 +552,36 @@ def test_a_model_with_journey_so_far_inputs_loads_back_and_scores_the_same(
     tmp_path: Path,
 ) -> None:
     """`model.journey_so_far` is saved with the model: loaded back, the encoder gives the
-    network the inputs it was trained on, and the probabilities are the same."""
+    network the inputs it was trained on and the probabilities are those of the model as
+    it was saved; a model saved before the option loads without them."""
+    import json
+
+    from journeys.inputs import JOURNEY_SO_FAR, TIME_ENCODINGS
+    from journeys.trained_model import PREPROCESSING
+
     data = journeys_folder(tmp_path / "journeys")
     vocabs = Vocabularies.load(data)
-    folder = save_tiny_model(tmp_path / "model", vocabs, "model.journey_so_far=true")
-    loaded = load_model(str(folder))
-    assert loaded.encoder.inputs.time.journey_so_far
-    assert loaded.config.n_continuous == 6 + 4
     frame = pl.read_parquet(data / "*.parquet")
-    first = loaded.predict_proba(frame)
-    again = TrainedModel.load(folder).predict_proba(frame)
-    np.testing.assert_allclose(first, again, rtol=1e-6)
-    without = save_tiny_model(tmp_path / "plain", vocabs)
-    assert not load_model(str(without)).encoder.inputs.time.journey_so_far
+    config = load_config(
+        None, [*TINY, f"journey.max_events={MAX_EVENTS}", "model.journey_so_far=true"]
+    )
+    encoder = JourneyEncoder.fit(
+        pl.DataFrame(), vocabs, config.model, max_len=MAX_EVENTS, timezone=config.data.timezone
+    )
+    torch.manual_seed(0)
+    model = JourneyTransformer(model_config_from(config.model, encoder)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(std=0.3 if param.dim() > 1 else 0.1)
+    saved = TrainedModel(model, encoder, JourneyRules.from_config(config))
+    saved.save(tmp_path / "model")
+    loaded = load_model(str(tmp_path / "model"))
+    assert loaded.encoder.inputs.time.journey_so_far
+    assert loaded.config.n_continuous == len(TIME_ENCODINGS) + len(JOURNEY_SO_FAR)
+    np.testing.assert_allclose(loaded.predict_proba(frame), saved.predict_proba(frame), rtol=1e-6)
+
+    older = save_tiny_model(tmp_path / "older", vocabs)
+    settings = json.loads((older / PREPROCESSING).read_text())
+    del settings["encoder"]["journey_so_far"]  # as a model saved before the option
+    (older / PREPROCESSING).write_text(json.dumps(settings))
+    assert not load_model(str(older)).encoder.inputs.time.journey_so_far
