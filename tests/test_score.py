@@ -42,10 +42,8 @@ def journeys_folder(folder: Path, n: int = 240, seed: int = 0) -> Path:
     return folder
 
 
-def save_tiny_model(
-    folder: Path, vocabs: Vocabularies, *overrides: str, temperature: float = 1.0
-) -> Path:
-    """A tiny random transformer saved as the five model files (no training needed).
+def tiny_model(vocabs: Vocabularies, *overrides: str, temperature: float = 1.0) -> TrainedModel:
+    """A tiny random transformer (no training needed).
 
     Weights are scrambled so that outputs and attention really depend on the input.
     """
@@ -59,7 +57,14 @@ def save_tiny_model(
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(std=0.3 if param.dim() > 1 else 0.1)
-    TrainedModel(model, encoder, JourneyRules.from_config(config), temperature).save(folder)
+    return TrainedModel(model, encoder, JourneyRules.from_config(config), temperature)
+
+
+def save_tiny_model(
+    folder: Path, vocabs: Vocabularies, *overrides: str, temperature: float = 1.0
+) -> Path:
+    """`tiny_model` saved as the five model files."""
+    tiny_model(vocabs, *overrides, temperature=temperature).save(folder)
     return folder
 
 
@@ -562,18 +567,7 @@ def test_a_model_with_journey_so_far_inputs_loads_back_and_scores_the_same(
     data = journeys_folder(tmp_path / "journeys")
     vocabs = Vocabularies.load(data)
     frame = pl.read_parquet(data / "*.parquet")
-    config = load_config(
-        None, [*TINY, f"journey.max_events={MAX_EVENTS}", "model.journey_so_far=true"]
-    )
-    encoder = JourneyEncoder.fit(
-        pl.DataFrame(), vocabs, config.model, max_len=MAX_EVENTS, timezone=config.data.timezone
-    )
-    torch.manual_seed(0)
-    model = JourneyTransformer(model_config_from(config.model, encoder)).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(std=0.3 if param.dim() > 1 else 0.1)
-    saved = TrainedModel(model, encoder, JourneyRules.from_config(config))
+    saved = tiny_model(vocabs, "model.journey_so_far=true")
     saved.save(tmp_path / "model")
     loaded = load_model(str(tmp_path / "model"))
     assert loaded.encoder.inputs.time.journey_so_far
