@@ -15,8 +15,9 @@ take in) into folders of its own:
 - **as the schedule runs it**: the commands as processes, `journeys ingest` then
   `journeys score --model <the model>` (wall time: interpreter start, imports and model
   loading included), against `journeys ingest --full` and `journeys score`; each against
-  an MLflow store that exists, as a deployment's does once it has trained, so `journeys
-  score` logs its scoring run as it does there (without a store it logs none);
+  an MLflow store that exists (the experiment alone, made afresh each run), as a
+  deployment's does once it has trained, so `journeys score` logs its scoring run as it
+  does there (without a store it logs none; a night that logged none stops the benchmark);
 - **the work alone**: in a child process that reports its work time (imports excluded)
   and its peak memory: ingest, scoring and the attribution report `journeys score` writes
   after it (the nightly one reads only the scores files that changed, `_sums/`), and the
@@ -182,17 +183,25 @@ def journeys_command() -> str:
     return str(Path(sys.executable).with_name("journeys"))
 
 
-def tracking_store() -> Path:
-    """An MLflow store holding the default experiment, as a deployment's does once it has
-    trained (made once; each scheduled night starts from a copy of it)."""
+STORE = WORK / "mlflow.db"  # the deployment's MLflow store; scheduled nights get a copy
+
+
+def make_tracking_store() -> None:
+    """An MLflow store holding the default experiment alone, made afresh (a store kept from
+    an older MLflow could fail to take runs, and scoring would then quietly log none)."""
     from journeys.config import load_config
     from journeys.tracking import get_experiment_id
 
-    store = WORK / "mlflow.db"
-    if not store.exists():
-        experiment = load_config(ROOT / "conf" / "default.yaml", []).mlflow.experiment
-        get_experiment_id(f"sqlite:///{store}", experiment)
-    return store
+    STORE.unlink(missing_ok=True)
+    experiment = load_config(ROOT / "conf" / "default.yaml", []).mlflow.experiment
+    get_experiment_id(f"sqlite:///{STORE}", experiment)
+
+
+def logged_runs(store: Path) -> int:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(store)) as db:
+        return db.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
 
 
 def as_scheduled(landing: Path, out: Path, model: Path, full: bool) -> dict[str, float]:
@@ -200,7 +209,7 @@ def as_scheduled(landing: Path, out: Path, model: Path, full: bool) -> dict[str,
     processes, `journeys score` logging its run to the deployment's store; their wall
     times (s)."""
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(tracking_store(), out / "mlflow.db")
+    shutil.copy2(STORE, out / "mlflow.db")
     settings = [
         f"paths.raw={landing}",
         f"paths.journeys={out / 'journeys'}",
@@ -218,6 +227,8 @@ def as_scheduled(landing: Path, out: Path, model: Path, full: bool) -> dict[str,
         started = time.perf_counter()
         subprocess.run([journeys_command(), *command], capture_output=True, check=True)
         times[name] = time.perf_counter() - started
+    if logged_runs(out / "mlflow.db") < 1:
+        raise SystemExit(f"journeys score logged no run to {out / 'mlflow.db'}: see its stderr")
     return times
 
 
@@ -288,6 +299,7 @@ def main() -> None:
     import journeys.encoding  # noqa: F401
 
     events = make_days(args.users, args.days)
+    make_tracking_store()
     landing, nightly, full = WORK / "landing", WORK / "nightly", WORK / "full"
     for folder in (landing, nightly, full, WORK / "model"):
         shutil.rmtree(folder, ignore_errors=True)
