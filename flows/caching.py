@@ -73,6 +73,7 @@ def listing_digest(files: Iterable[Path]) -> str:
 def config_digest(config: Config, keys: Iterable[str]) -> str:
     """Hash of the named config entries (`data`, `paths.raw`, ...); absent ones hash as null."""
     tree = config.model_dump(mode="json")
+    tree["data"]["columns"] = config.data.spelled_columns()
     selected: dict[str, Any] = {}
     for key in keys:
         node: Any = tree

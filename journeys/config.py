@@ -281,6 +281,13 @@ class Data(Section):
                 )
         return self
 
+    def spelled_columns(self) -> dict[str, str | int | list[str]]:
+        """`columns` with every required name spelled out (mapped to itself when left
+        unmapped, as it is read): `{}` (the code's default) and `conf/default.yaml`'s
+        `{user_id: user_id, ...}` are one configuration, and the keys made of the settings
+        (ingest's manifest, the flows' cache) must agree on it."""
+        return {**{name: name for name in REQUIRED_COLUMNS}, **self.columns}
+
     def aliases(self, logical: str) -> list[str]:
         """Every raw name a logical column (user_id, timestamp, event_type, a feature) may
         have in a file, in the order tried: names, dotted paths into nested records, or

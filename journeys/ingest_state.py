@@ -90,6 +90,7 @@ def config_key(config: Config) -> str:
     """Hash of the settings the journeys depend on (paths and run settings left out)."""
     tree = config.model_dump(mode="json")
     keyed = {name: tree[name] for name in KEYED_SECTIONS}
+    keyed["data"]["columns"] = config.data.spelled_columns()
     keyed["ingest"] = {name: tree["ingest"][name] for name in KEYED_INGEST}
     text = json.dumps(keyed, sort_keys=True, default=str)
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -242,6 +242,33 @@ def test_a_changed_configuration_rebuilds_in_full(tmp_path: Path) -> None:
     assert "configuration changed" in report.ingest.why
 
 
+def test_the_default_column_mapping_spelled_out_is_the_same_configuration(
+    tmp_path: Path,
+) -> None:
+    """`conf/default.yaml` spells out `data.columns` that the code leaves empty (names
+    unmapped are read as-is): a night run with either extends the other's journeys instead
+    of rebuilding them, and the flows' cache keys agree. A mapping that means something
+    (another column, the sequence) still changes the key."""
+    from flows.caching import config_digest
+    from journeys.ingest_state import config_key
+
+    landing, empty = tmp_path / "landing", "data.columns={}"
+    write_days(event_log(seed=6).filter(pl.col("arrival") < 5), landing)
+    run_ingest(config_for(landing, tmp_path, empty))
+    write_days(event_log(seed=6).filter(pl.col("arrival") == 5), landing)
+    spelled = "data.columns={user_id: user_id, timestamp: timestamp, event_type: event_type}"
+    report = run_ingest(config_for(landing, tmp_path, spelled)).report
+    assert report.ingest.mode == "incremental", report.ingest.why
+
+    plain = config_for(landing, tmp_path, empty)
+    spelled_out = config_for(landing, tmp_path, spelled)
+    assert plain.data.columns == {} and spelled_out.data.columns != {}
+    assert config_key(plain) == config_key(spelled_out)
+    assert config_digest(plain, ["data"]) == config_digest(spelled_out, ["data"])
+    for meaningful in ("data.columns={user_id: visitor}", "data.columns={sequence: sequence}"):
+        assert config_key(config_for(landing, tmp_path, meaningful)) != config_key(plain)
+
+
 # ----------------------------------------------------------------------------- scoring
 
 # What says when a row was scored rather than what its score is: kept rows keep theirs.
