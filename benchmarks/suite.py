@@ -8,8 +8,9 @@ missing one is skipped and said) this ingests once with the log's configuration 
 trains with each variant, then prints one table: split sizes, test ROC AUC with its
 interval, the ROC AUC of a generator's true probability on the same test labels, the best
 val ROC AUC, `hgb_aggregates` on the same test split, the champion decision, and the
-attention deletion test (mean drop in probability when each test journey loses its
-most-attended event, against a random one: above 1 means attention finds what matters).
+attention deletion test (mean drop in the transformer's logit when each test journey
+loses its most-attended event, against a random one: above 1 means attention finds what
+matters).
 
     python benchmarks/suite.py                      # the defaults against each candidate
                                                     # (the 400k-user log: ~4 min a variant)
