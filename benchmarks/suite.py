@@ -70,6 +70,7 @@ VARIANTS = {
     "steps3000": ["train.min_steps=3000"],  # the default before 2026-12-07
     "so_far": ["model.journey_so_far=true"],  # journey-so-far counts and gaps on each event
     "so_far+piecewise": ["model.journey_so_far=true", "model.continuous_encoding=piecewise"],
+    "search8": ["train.search.trials=8"],  # a search on val over the default space
 }
 
 

@@ -480,6 +480,77 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 BaselineName = Literal["logreg", "hgb", "hgb_aggregates", "last_touch", "prior"]
 
 
+class SearchRange(Section):
+    """A range a setting is drawn from: an integer setting takes integers in it."""
+
+    low: float
+    high: float
+    log: bool = False  # drawn evenly on a log scale (a learning rate, a weight decay)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SearchRange:
+        if not self.low < self.high:
+            raise ValueError("low must be below high")
+        if self.log and self.low <= 0:
+            raise ValueError("a log range needs low > 0")
+        return self
+
+
+# The sections a trial may change: read when the transformer is built and trained, after
+# ingest (a `journey` or `data` setting would need the journeys built again).
+SEARCHABLE_SECTIONS = ("model", "train")
+
+
+class Search(Section):
+    """A short hyperparameter search on val before the transformer is kept
+    (`journeys.search`): `trials` runs of the transformer, each with settings drawn from
+    `space` (`section.key: [choices]` or `{low, high, log}`), tracked as nested MLflow runs.
+    0 trials: off, the settings as given."""
+
+    trials: Annotated[int, Field(ge=0)] = 0
+    timeout: Annotated[float, Field(gt=0)] | None = None  # seconds for all trials; null: none
+    space: dict[str, list[Any] | SearchRange] = Field(
+        default_factory=lambda: {
+            "train.lr": SearchRange(low=5e-4, high=1e-2, log=True),
+            "train.weight_decay": SearchRange(low=0.01, high=0.3, log=True),
+            "model.dropout": SearchRange(low=0.0, high=0.2),
+            "model.d_model": [32, 64, 128],
+            "model.n_layers": [1, 2, 3],
+            "model.continuous_encoding": ["linear", "piecewise"],
+        }
+    )
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _ranges(cls, space: Any) -> Any:
+        # A mapping is a range: its own error ("low must be below high"), not the union's.
+        if not isinstance(space, dict):
+            return space
+        ranges = {}
+        for key, spec in space.items():
+            try:
+                ranges[key] = SearchRange.model_validate(spec) if isinstance(spec, dict) else spec
+            except ValidationError as err:
+                raise ValueError(f"{key}: {_describe(err, 'range')}") from None
+        return ranges
+
+    @field_validator("space")
+    @classmethod
+    def _searchable_keys(
+        cls, space: dict[str, list[Any] | SearchRange]
+    ) -> dict[str, list[Any] | SearchRange]:
+        for key, spec in space.items():
+            section, _, name = key.partition(".")
+            if section not in SEARCHABLE_SECTIONS or not name:
+                raise ValueError(f"{key}: a searched setting is model.<key> or train.<key>")
+            fields = (Model if section == "model" else Train).model_fields
+            if name not in fields or name == "search":
+                raise ValueError(f"{key}: unknown setting")
+            if isinstance(spec, list) and not spec:
+                raise ValueError(f"{key}: no choices")
+        return space
+
+
 class Train(Section):
     max_epochs: Annotated[int, Field(ge=1)] = 12
     batch_size: Annotated[int, Field(ge=1)] = 256
@@ -547,6 +618,7 @@ class Train(Section):
     # data's end, so a weekly retrain over nightly ingests does not grow with the history;
     # null: every journey. The split's cuts stay the ingest's (`journeys.datasets.in_window`).
     window: Duration | None = None
+    search: Search = Field(default_factory=lambda: Search())
 
     @property
     def window_delta(self) -> timedelta | None:
@@ -740,6 +812,25 @@ class Config(Section):
             raise ValueError("train.objective: every_prefix needs model.causal: true")
         return self
 
+    @model_validator(mode="after")
+    def _search_space_valid(self) -> Config:
+        # Every choice and both ends of every range make a valid configuration, so no
+        # trial of a search fails on its settings after an hour of others.
+        search = self.train.search
+        if search.trials and (self.train.devices not in (1, "1") or self.train.num_nodes > 1):
+            raise ValueError("train.search runs in one process: devices 1 and num_nodes 1")
+        for key, spec in search.space.items():
+            values = spec if isinstance(spec, list) else [spec.low, spec.high]
+            for value in values:
+                try:
+                    with_settings(self, {key: value})
+                except ConfigError as err:
+                    raise ValueError(
+                        f"train.search.space: {key}={value!r} is not a valid setting ({err}); "
+                        "change that choice"
+                    ) from None
+        return self
+
 
 def _apply_override(tree: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
@@ -761,9 +852,12 @@ def _apply_override(tree: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def _describe(error: ValidationError) -> str:
+def _describe(error: ValidationError, section: str = "") -> str:
+    """`where: what` of a validation error's first problem; `where` starts at `section`
+    for a section validated on its own."""
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
+    parts = ([section] if section else []) + [str(p) for p in first["loc"]]
+    where = ".".join(parts) or "config"
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown key"
@@ -820,6 +914,23 @@ def load_config(paths: ConfigFiles = None, overrides: list[str] | None = None) -
         return Config.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(f"invalid configuration: {_describe(err)}") from None
+
+
+def with_settings(config: Config, settings: dict[str, Any]) -> Config:
+    """`config` with `section.key` settings replaced, each section validated again (as
+    `--set` would be): a search trial's configuration (`train.search`)."""
+    updates: dict[str, dict[str, Any]] = {}
+    for key, value in settings.items():
+        section, _, name = key.partition(".")
+        updates.setdefault(section, {})[name] = value
+    sections: dict[str, Section] = {}
+    for section, values in updates.items():
+        current = getattr(config, section)
+        try:
+            sections[section] = type(current).model_validate(current.model_dump() | values)
+        except ValidationError as err:
+            raise ConfigError(_describe(err, section)) from None
+    return config.model_copy(update=sections)
 
 
 def with_features(config: Config, features: list[str]) -> Config:

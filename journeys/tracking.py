@@ -17,7 +17,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +37,7 @@ CHAMPION_ALIAS = "champion"
 # Tags the product sets on runs and model versions, and reads back (flows, summaries).
 MODEL_FAMILY_TAG = "model_family"  # transformer, or baseline_<name>
 STAGE_TAG = "journeys.stage"  # on runs that are not trainings (e.g. score)
+PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
 COMPARISON_GROUP_TAG = "comparison_group"  # the transformer run's id, on it and its baselines
 BEST_CHECKPOINT_TAG = "best_checkpoint"
 REGISTERED_VERSION_TAG = "registered_model_version"  # "<name>/<version>"
@@ -269,8 +270,9 @@ def get_experiment_id(uri: str, name: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
-def log_config(run: TrackedRun, config: Config) -> None:
-    """The whole resolved config as params. On resume, keys already logged are kept.
+def log_config(run: TrackedRun, config: Config, skip: Collection[str] = ()) -> None:
+    """The whole resolved config as params, but the keys in `skip` (logged once known).
+    On resume, keys already logged are kept.
 
     MLflow params are immutable, so a value changed for a resumed run is recorded as a
     `resume_override.<key>` tag instead of failing the run.
@@ -284,6 +286,8 @@ def log_config(run: TrackedRun, config: Config) -> None:
     # The store actually used (MLFLOW_TRACKING_URI wins over the config), redacted.
     values["mlflow.tracking_uri"] = redact_uri(tracking_uri(config))
     for key, value in values.items():
+        if key in skip:
+            continue
         if key not in logged:
             params.append(Param(key, value))
         elif logged[key] != value:

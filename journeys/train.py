@@ -66,7 +66,7 @@ from journeys.datasets import (
     training_journeys,
 )
 from journeys.encoding import EncodedJourneys, fraction_of_negatives, model_config_from
-from journeys.errors import Interrupted, JourneysError, first_line
+from journeys.errors import ConfigError, Interrupted, JourneysError, first_line
 from journeys.in_flight import QuietSurvival, recalibrate_in_flight
 from journeys.inference import attention_by_token, run_model
 from journeys.lightning_parts import (
@@ -95,6 +95,7 @@ if TYPE_CHECKING:
     from journeys.tracking import Registration, TrackedRun
 
 MODEL_FAMILY = "transformer"
+SEARCH_TRIAL_TAG = "search_trial"  # on a `train.search` trial's run: its number
 STATE_FILE = "latest.json"  # in paths.checkpoints: which run/checkpoints --resume continues
 PROMOTION_FILE = "promotion.json"  # the champion decision, logged to the run
 COMPARED_METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
@@ -149,11 +150,19 @@ def train_command(
     # 1. set up
     uri = tracking.tracking_uri(config)
     tracking.check_tracking_uri(uri)
+    if resume and config.train.search.trials:
+        raise ConfigError(
+            "train.search cannot resume (a search starts afresh): run `journeys train` "
+            "again, or resume with --set train.search.trials=0"
+        )
     resumed = resumable_run(root, uri) if resume else None
     with transformer_run(uri, config.mlflow.experiment, resumed) as run:
         checkpoint_dir = set_up(run, config, resumed is not None)
-        # 2. fit
-        fitted, best = fit_best(config, sizes, run.run_id, checkpoint_dir, resume, uri)
+        # 2. fit (with `train.search`: the best of its trials, with its configuration)
+        if config.train.search.trials:
+            config, fitted, best = fit_searched(config, sizes, run, checkpoint_dir)
+        else:
+            fitted, best = fit_best(config, sizes, run.run_id, checkpoint_dir, resume, uri)
         journeys = training_journeys(config.paths.journeys, config.train.window_delta).collect()
         print(f"evaluating {best} on val and test, logging the model")
         with tempfile.TemporaryDirectory(prefix="journeys-eval-") as tmp:  # plots, until logged
@@ -262,7 +271,9 @@ def set_up(run: TrackedRun, config: Config, resumed: bool) -> Path:
     # Per-file progress bars for a handful of small artifacts are noise in the log.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     root = Path(config.paths.checkpoints)
-    tracking.log_config(run, config)
+    # A searched setting is logged when the search has chosen it (`fit_searched`): never
+    # a value that did not act.
+    tracking.log_config(run, config, skip=searched_settings(config))
     if resumed:
         return Path(read_state(root)["checkpoint_dir"])
     checkpoint_dir = root / run.run_id
@@ -308,6 +319,14 @@ class Fitted:
     module: JourneyModule
     datamodule: JourneyDataModule
     checkpoint: ModelCheckpoint
+    # A search's other trials' validated epochs (val logits, the same journeys in the same
+    # order): choices the search had, judged with this fit's own (`val_choices`).
+    other_trials: list[torch.Tensor] = field(default_factory=list)
+
+    def val_choices(self) -> list[torch.Tensor]:
+        """Every validated epoch's val logits that could have been kept: this fit's, and
+        with `train.search` every other trial's."""
+        return [*self.module.val_history, *self.other_trials]
 
 
 @contextmanager
@@ -441,6 +460,69 @@ def describe_schedule(settings: Train, schedule: StepSchedule) -> None:
             "train.lr; lower train.warmup_steps or train more",
             file=sys.stderr,
         )
+
+
+def searched_settings(config: Config) -> list[str]:
+    """The settings `train.search` chooses (none when it is off)."""
+    return list(config.train.search.space) if config.train.search.trials else []
+
+
+def fit_searched(
+    config: Config, sizes: dict[str, dict[str, int]], run: TrackedRun, checkpoint_dir: Path
+) -> tuple[Config, Fitted, str]:
+    """`train.search` (`journeys.search`): fit one transformer per trial, each in an MLflow
+    run nested under `run`, and keep the trial with the best val ROC AUC; return its
+    configuration, its fit (with every other trial's validated epochs, for an honest
+    judgement) and its best checkpoint. The chosen settings go to `run` as params.
+
+    Takes the whole `Config`: each trial is the whole configuration with its settings.
+    """
+    import shutil
+
+    from journeys.search import search
+
+    kept: dict[str, Any] = {}  # the best trial so far: score, config, fit, folder
+    others: list[torch.Tensor] = []  # every other trial's validated epochs
+
+    def run_trial(trial_config: Config, settings: dict[str, Any], number: int) -> float:
+        folder = checkpoint_dir / f"trial-{number}"
+        tags = {tracking.PARENT_RUN_TAG: run.run_id, SEARCH_TRIAL_TAG: str(number)}
+        with tracking.mlflow_run(
+            run.uri, trial_config.mlflow.experiment, name=f"trial-{number}", tags=tags
+        ) as trial_run:
+            assert trial_run is not None  # the store answered for the parent run
+            trial_run.log_params(settings)
+            with resume_hint(run.run_id), tracking.use_tracking_uri(run.uri):
+                fitted = fit(trial_config, sizes, trial_run.run_id, folder, resume=False)
+            if fitted.checkpoint.best_model_score is None:
+                raise JourneysError("train.search needs val journeys to choose on")
+            score = float(fitted.checkpoint.best_model_score)
+            trial_run.log_metrics({"best_val_roc_auc": score})
+        if kept and not np.array_equal(
+            fitted.datamodule.splits["val"].journey_ids,
+            kept["fitted"].datamodule.splits["val"].journey_ids,
+        ):
+            raise JourneysError("train.search: trials saw val journeys in different orders")
+        if not kept or score > kept["score"]:
+            if kept:
+                others.extend(kept["fitted"].module.val_history)
+                shutil.rmtree(kept["folder"], ignore_errors=True)
+            kept.update(score=score, config=trial_config, fitted=fitted, folder=folder)
+        else:
+            others.extend(fitted.module.val_history)
+            shutil.rmtree(folder, ignore_errors=True)
+        return score
+
+    study = search(config, run_trial)
+    fitted = kept["fitted"]
+    fitted.other_trials = others
+    chosen = {key: study.best_trial.params[key] for key in searched_settings(config)}
+    run.log_params(chosen)
+    run.log_metrics(
+        {"search_trials": len(study.trials), "search_best_trial": study.best_trial.number}
+    )
+    print(f"search: kept trial {study.best_trial.number + 1} of {len(study.trials)} ({chosen})")
+    return kept["config"], fitted, load_best(fitted, kept["folder"])
 
 
 # ----------------------------------------------------------------------------- 3. evaluate
@@ -760,7 +842,7 @@ def candidates_beside(
     val, test = splits["val"], splits["test"]
     labels = val.get_column("label").to_numpy().astype(np.int64)
     folds = promotion.val_folds(labels, settings.seed)
-    history = np.stack([h.numpy() for h in fitted.module.val_history] or [evaluation.val_logits])
+    history = np.stack([h.numpy() for h in fitted.val_choices()] or [evaluation.val_logits])
 
     def transformer_fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
         # The epoch and the temperature chosen on the other half, applied to this one.

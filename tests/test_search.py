@@ -1,0 +1,133 @@
+"""`train.search`: a short Optuna search on val, each trial a nested MLflow run, the best
+trial kept with its settings, and the choice among trials judged honestly."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import optuna
+import pytest
+from conftest import make_journeys_dataset, make_learnable_journeys
+from mlflow import MlflowClient
+from test_train import tiny_config
+
+from journeys.config import load_config
+from journeys.errors import ConfigError
+from journeys.search import drawn_settings
+
+SPACE = (
+    "train.search.space={train.lr: {low: 0.001, high: 0.01, log: true}, model.d_model: [16, 32]}"
+)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.search.space={model.widht: [1, 2]}", "model.widht: unknown setting"),
+        ("train.search.space={journey.max_gap: [1d]}", "model.<key> or train.<key>"),
+        ("train.search.space={model.d_model: [30]}", "model.d_model=30 is not a valid setting"),
+        (
+            "train.search.space={train.lr: {low: 0, high: 1, log: true}}",
+            "a log range needs low > 0",
+        ),
+        ("train.search.space={train.lr: {low: 2, high: 1}}", "low must be below high"),
+        ("train.search.space={model.n_layers: []}", "model.n_layers: no choices"),
+    ],
+)
+def test_a_search_space_that_cannot_run_is_refused_when_read(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_a_search_runs_in_one_process() -> None:
+    with pytest.raises(ConfigError, match="devices 1 and num_nodes 1"):
+        load_config(None, ["train.search.trials=4", "train.devices=2"])
+    load_config(None, ["train.search.trials=0", "train.devices=2"])  # off: no objection
+
+
+def test_drawn_settings_keep_each_setting_s_type_and_range() -> None:
+    config = load_config(None, [])  # the default space
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    draws = [drawn_settings(study.ask(), config) for _ in range(40)]
+    assert {key for draw in draws for key in draw} == set(config.train.search.space)
+    assert all(0.0005 <= d["train.lr"] <= 0.01 for d in draws)
+    assert all(type(d["model.n_layers"]) is int and d["model.n_layers"] in (1, 2, 3) for d in draws)
+    assert {d["model.continuous_encoding"] for d in draws} == {"linear", "piecewise"}
+    # A range over an integer setting draws integers.
+    ranged = load_config(None, ["train.search.space={model.n_layers: {low: 1, high: 4}}"])
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    layers = {drawn_settings(study.ask(), ranged)["model.n_layers"] for _ in range(40)}
+    assert layers == {1, 2, 3, 4}
+
+
+@pytest.mark.slow
+def test_a_search_keeps_its_best_trial_and_logs_every_trial_under_the_run(
+    tmp_path: Path, mlflow_env: str
+) -> None:
+    from journeys.tracking import PARENT_RUN_TAG
+    from journeys.train import SEARCH_TRIAL_TAG, train_command
+    from journeys.trained_model import load_model
+
+    make_learnable_journeys(tmp_path / "journeys", n=400, seed=0)
+    config = tiny_config(
+        tmp_path, mlflow_env, "train.max_epochs=2", "promotion.min_val_conversions=10",
+        "train.search.trials=3", SPACE,
+    )  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = train_command(config)
+    client = MlflowClient(mlflow_env)
+    parent = client.get_run(result.run_id)
+    trials = client.search_runs(
+        [result.experiment_id], filter_string=f"tags.{SEARCH_TRIAL_TAG} != ''"
+    )
+    assert len(trials) == 3 == parent.data.metrics["search_trials"]
+    assert {t.data.tags[PARENT_RUN_TAG] for t in trials} == {result.run_id}
+    best = max(trials, key=lambda t: t.data.metrics["best_val_roc_auc"])
+    assert parent.data.metrics["search_best_trial"] == int(best.data.tags[SEARCH_TRIAL_TAG])
+    assert parent.data.metrics["best_val_roc_auc"] == best.data.metrics["best_val_roc_auc"]
+    # The run's params are the kept trial's settings, the ones its model was trained with.
+    for key in ("train.lr", "model.d_model"):
+        assert parent.data.params[key] == best.data.params[key]
+    served = load_model(result.model_uri, mlflow_env).model
+    assert served.config.d_model == int(best.data.params["model.d_model"])
+    # Every trial's epochs went to its own run, and only the kept trial's checkpoints stay.
+    assert all(len(client.get_metric_history(t.info.run_id, "val_roc_auc")) == 2 for t in trials)
+    folders = sorted(p.name for p in (tmp_path / "checkpoints" / result.run_id).iterdir())
+    assert folders == [f"trial-{best.data.tags[SEARCH_TRIAL_TAG]}"]
+    assert out.getvalue().count("search trial") == 6  # a line as each starts and ends
+
+
+@pytest.mark.slow
+def test_a_trial_lucky_on_val_is_judged_on_the_half_that_did_not_choose_it(
+    tmp_path: Path, mlflow_env: str
+) -> None:
+    """Sixteen trials that learn nothing (a learning rate of all but 0, only the seed
+    differs): the best of them on val clears chance by luck; judged on the half of val
+    that did not choose it, it does not, and it is not served."""
+    from journeys.train import train_command
+
+    make_journeys_dataset(tmp_path / "journeys", n=3000, seed=3)
+    config = tiny_config(
+        tmp_path, mlflow_env, "train.max_epochs=1", "train.lr=1e-9", "train.warmup_steps=0",
+        "promotion.min_val_conversions=10", "train.baselines=[prior]", "train.stack=false",
+        "train.search.trials=16", "train.search.space={train.seed: {low: 0, high: 1000}}",
+    )  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = train_command(config)
+    kept = result.metrics["best_val_roc_auc"]  # the search's choice, on all of val
+    judged = result.metrics["val_roc_auc_transformer"]
+    assert kept > 0.56  # 0.577 here: 450 val journeys, the best of sixteen draws
+    assert judged < kept - 0.03  # 0.533
+    assert not result.promoted and "above chance" in result.registration.reason
+
+
+def test_a_search_does_not_resume(tmp_path: Path, mlflow_env: str) -> None:
+    from journeys.train import train_command
+
+    make_learnable_journeys(tmp_path / "journeys", n=200, seed=0)
+    config = tiny_config(tmp_path, mlflow_env, "train.search.trials=2")
+    with pytest.raises(ConfigError, match=r"train\.search cannot resume"):
+        train_command(config, resume=True)
