@@ -467,13 +467,27 @@ def searched_settings(config: Config) -> list[str]:
     return list(config.train.search.space) if config.train.search.trials else []
 
 
+@dataclass
+class Trial:
+    """One trial of `train.search`: its number, settings, configuration, fit, checkpoint
+    folder and val ROC AUC (its best epoch's)."""
+
+    number: int
+    settings: dict[str, Any]
+    config: Config
+    fitted: Fitted
+    folder: Path
+    score: float
+
+
 def fit_searched(
     config: Config, sizes: dict[str, dict[str, int]], run: TrackedRun, checkpoint_dir: Path
 ) -> tuple[Config, Fitted, str]:
     """`train.search` (`journeys.search`): fit one transformer per trial, each in an MLflow
     run nested under `run`, and keep the trial with the best val ROC AUC; return its
     configuration, its fit (with every other trial's validated epochs, for an honest
-    judgement) and its best checkpoint. The chosen settings go to `run` as params.
+    judgement) and its best checkpoint. The kept settings go to `run` as params; the other
+    trials' checkpoints are deleted.
 
     Takes the whole `Config`: each trial is the whole configuration with its settings.
     """
@@ -481,10 +495,11 @@ def fit_searched(
 
     from journeys.search import search
 
-    kept: dict[str, Any] = {}  # the best trial so far: score, config, fit, folder
+    kept: Trial | None = None
     others: list[torch.Tensor] = []  # every other trial's validated epochs
 
     def run_trial(trial_config: Config, settings: dict[str, Any], number: int) -> float:
+        nonlocal kept
         folder = checkpoint_dir / f"trial-{number}"
         tags = {tracking.PARENT_RUN_TAG: run.run_id, SEARCH_TRIAL_TAG: str(number)}
         with tracking.mlflow_run(
@@ -496,33 +511,30 @@ def fit_searched(
                 fitted = fit(trial_config, sizes, trial_run.run_id, folder, resume=False)
             if fitted.checkpoint.best_model_score is None:
                 raise JourneysError("train.search needs val journeys to choose on")
-            score = float(fitted.checkpoint.best_model_score)
-            trial_run.log_metrics({"best_val_roc_auc": score})
+            trial = Trial(number, settings, trial_config, fitted, folder,
+                          float(fitted.checkpoint.best_model_score))  # fmt: skip
+            trial_run.log_metrics({"best_val_roc_auc": trial.score})
         if kept and not np.array_equal(
             fitted.datamodule.splits["val"].journey_ids,
-            kept["fitted"].datamodule.splits["val"].journey_ids,
+            kept.fitted.datamodule.splits["val"].journey_ids,
         ):
             raise JourneysError("train.search: trials saw val journeys in different orders")
-        if not kept or score > kept["score"]:
-            if kept:
-                others.extend(kept["fitted"].module.val_history)
-                shutil.rmtree(kept["folder"], ignore_errors=True)
-            kept.update(score=score, config=trial_config, fitted=fitted, folder=folder)
+        if kept is None or trial.score > kept.score:
+            dropped, kept = kept, trial
         else:
-            others.extend(fitted.module.val_history)
-            shutil.rmtree(folder, ignore_errors=True)
-        return score
+            dropped = trial
+        if dropped is not None:
+            others.extend(dropped.fitted.module.val_history)
+            shutil.rmtree(dropped.folder, ignore_errors=True)
+        return trial.score
 
     study = search(config, run_trial)
-    fitted = kept["fitted"]
-    fitted.other_trials = others
-    chosen = {key: study.best_trial.params[key] for key in searched_settings(config)}
-    run.log_params(chosen)
-    run.log_metrics(
-        {"search_trials": len(study.trials), "search_best_trial": study.best_trial.number}
-    )
-    print(f"search: kept trial {study.best_trial.number + 1} of {len(study.trials)} ({chosen})")
-    return kept["config"], fitted, load_best(fitted, kept["folder"])
+    assert kept is not None  # `search` ran at least one trial
+    kept.fitted.other_trials = others
+    run.log_params(kept.settings)
+    run.log_metrics({"search_trials": len(study.trials), "search_best_trial": kept.number})
+    print(f"search: kept trial {kept.number + 1} of {len(study.trials)} ({kept.settings})")
+    return kept.config, kept.fitted, load_best(kept.fitted, kept.folder)
 
 
 # ----------------------------------------------------------------------------- 3. evaluate
