@@ -565,7 +565,7 @@ def step_schedule(settings: Train, epoch_journeys: float, world_size: int) -> St
     per_rank = epoch_journeys / max(1, world_size)
     wanted = math.ceil(settings.step_floor / settings.max_epochs)  # steps an epoch
     batch = settings.batch_size
-    if wanted:
+    if wanted > math.ceil(per_rank / batch):  # too few steps at `batch_size`: smaller batches
         batch = min(batch, max(settings.min_batch_size, math.ceil(per_rank / wanted)))
     steps = max(1, math.ceil(per_rank / batch))
     epochs = max(settings.max_epochs, math.ceil(settings.step_floor / steps))

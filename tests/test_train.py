@@ -741,6 +741,10 @@ def test_the_schedule_gives_small_logs_their_steps_and_leaves_large_ones_alone()
     for journeys in (400_000 * 0.2, 14_000):  # the demo's 20k users: 55 batches an epoch
         schedule = step_schedule(settings, journeys, world_size=1)
         assert (schedule.batch_size, schedule.epochs, schedule.val_every_epochs) == (256, 12, 1)
+    # A log that makes the floor's steps at the configured batch keeps it (15 batches of
+    # 256 an epoch, 12 epochs: 180 steps), rather than batches a little smaller for as many.
+    enough = step_schedule(settings.model_copy(update={"step_floor": 180}), 3_668, world_size=1)
+    assert (enough.batch_size, enough.steps_per_epoch, enough.epochs) == (256, 15, 12)
     medium = step_schedule(settings, 5_000, world_size=1)  # smaller batches suffice
     assert medium.batch_size == 100 and medium.epochs == 12 and medium.steps >= 600
     small = step_schedule(settings, 150, world_size=1)  # the old rule: 1 batch, 12 steps
