@@ -38,6 +38,7 @@ CHAMPION_ALIAS = "champion"
 MODEL_FAMILY_TAG = "model_family"  # transformer, or baseline_<name>
 STAGE_TAG = "journeys.stage"  # on runs that are not trainings (e.g. score)
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
+METRICS_PER_REQUEST = 1000  # the most metrics MLflow takes in one log_batch request
 COMPARISON_GROUP_TAG = "comparison_group"  # the transformer run's id, on it and its baselines
 BEST_CHECKPOINT_TAG = "best_checkpoint"
 REGISTERED_VERSION_TAG = "registered_model_version"  # "<name>/<version>"
@@ -293,6 +294,23 @@ def log_config(run: TrackedRun, config: Config, skip: Collection[str] = ()) -> N
         elif logged[key] != value:
             tags.append(RunTag(f"resume_override.{key}", value))
     client.log_batch(run_id, params=params, tags=tags)
+
+
+def copy_metric_histories(run: TrackedRun, source_run_id: str, skip: Collection[str] = ()) -> None:
+    """Every metric of `source_run_id` but those in `skip`, step by step, onto `run` (a
+    search's kept trial's epochs onto the training run, which then holds its model's
+    epochs as any training run does)."""
+    from mlflow.entities import Metric
+
+    client = run.client
+    history = [
+        Metric(m.key, m.value, m.timestamp, m.step)
+        for key in client.get_run(source_run_id).data.metrics
+        if key not in skip
+        for m in client.get_metric_history(source_run_id, key)
+    ]
+    for start in range(0, len(history), METRICS_PER_REQUEST):
+        client.log_batch(run.run_id, metrics=history[start : start + METRICS_PER_REQUEST])
 
 
 def _flatten_counts(prefix: str, value: Any, out: dict[str, float]) -> None:

@@ -473,6 +473,7 @@ class Trial:
     folder and val ROC AUC (its best epoch's)."""
 
     number: int
+    run_id: str
     settings: dict[str, Any]
     config: Config
     fitted: Fitted
@@ -511,7 +512,7 @@ def fit_searched(
                 fitted = fit(trial_config, sizes, trial_run.run_id, folder, resume=False)
             if fitted.checkpoint.best_model_score is None:
                 raise JourneysError("train.search needs val journeys to choose on")
-            trial = Trial(number, settings, trial_config, fitted, folder,
+            trial = Trial(number, trial_run.run_id, settings, trial_config, fitted, folder,
                           float(fitted.checkpoint.best_model_score))  # fmt: skip
             trial_run.log_metrics({"best_val_roc_auc": trial.score})
         if kept and not np.array_equal(
@@ -533,6 +534,8 @@ def fit_searched(
     kept.fitted.other_trials = others
     run.log_params(kept.settings)
     run.log_metrics({"search_trials": len(study.trials), "search_best_trial": kept.number})
+    # The kept model's epochs on the training run, as any training run has them.
+    tracking.copy_metric_histories(run, kept.run_id, skip=("best_val_roc_auc",))
     print(f"search: kept trial {kept.number + 1} of {len(study.trials)} ({kept.settings})")
     return kept.config, kept.fitted, load_best(kept.fitted, kept.folder)
 

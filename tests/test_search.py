@@ -93,8 +93,14 @@ def test_a_search_keeps_its_best_trial_and_logs_every_trial_under_the_run(
         assert parent.data.params[key] == best.data.params[key]
     served = load_model(result.model_uri, mlflow_env).model
     assert served.config.d_model == int(best.data.params["model.d_model"])
-    # Every trial's epochs went to its own run, and only the kept trial's checkpoints stay.
+    # Every trial's epochs went to its own run; the training run holds the kept one's, as
+    # any training run holds its model's; only the kept trial's checkpoints stay.
     assert all(len(client.get_metric_history(t.info.run_id, "val_roc_auc")) == 2 for t in trials)
+    for key in ("train_loss", "val_loss", "val_roc_auc"):
+        epochs = client.get_metric_history(result.run_id, key)
+        assert [(m.step, m.value) for m in epochs] == [
+            (m.step, m.value) for m in client.get_metric_history(best.info.run_id, key)
+        ]
     folders = sorted(p.name for p in (tmp_path / "checkpoints" / result.run_id).iterdir())
     assert folders == [f"trial-{best.data.tags[SEARCH_TRIAL_TAG]}"]
     assert out.getvalue().count("search trial") == 6  # a line as each starts and ends
