@@ -369,9 +369,12 @@ def needs_own_process(config: Config) -> bool:
 
 
 def _resumable(config: Config) -> bool:
-    """An interrupted training left checkpoints `journeys train --resume` can continue."""
+    """An interrupted training left checkpoints `journeys train --resume` can continue
+    (never a search, `train.search`: it starts afresh)."""
     from journeys.train import read_state
 
+    if config.train.search.trials:
+        return False
     try:
         return read_state(Path(config.paths.checkpoints)).get("status") == "training"
     except JourneysError:  # no state, or an unreadable one

@@ -497,8 +497,17 @@ class SearchRange(Section):
 
 
 # The sections a trial may change: read when the transformer is built and trained, after
-# ingest (a `journey` or `data` setting would need the journeys built again).
+# ingest (a `journey` or `data` setting would need the journeys built again) ...
 SEARCHABLE_SECTIONS = ("model", "train")
+# ... but not where it trains, on which journeys, or what it is chosen on: the trials of a
+# search differ in the model they train, never in what they are compared on.
+NOT_SEARCHABLE = frozenset(
+    {
+        *("train.search", "train.devices", "train.num_nodes", "train.strategy"),
+        *("train.accelerator", "train.window", "train.objective", "train.monitor"),
+        *("train.prefix_weight", "model.causal"),
+    }
+)
 
 
 class Search(Section):
@@ -544,8 +553,17 @@ class Search(Section):
             if section not in SEARCHABLE_SECTIONS or not name:
                 raise ValueError(f"{key}: a searched setting is model.<key> or train.<key>")
             fields = (Model if section == "model" else Train).model_fields
-            if name not in fields or name == "search":
+            if name not in fields:
                 raise ValueError(f"{key}: unknown setting")
+            if key in NOT_SEARCHABLE:
+                raise ValueError(f"{key}: not a setting a search may change (set it instead)")
+            default = fields[name].get_default(call_default_factory=True)
+            # (unset by default, as train.pos_weight: a number when set)
+            numeric = default is None or (
+                isinstance(default, int | float) and not isinstance(default, bool)
+            )
+            if isinstance(spec, SearchRange) and not numeric:
+                raise ValueError(f"{key}: a range needs a number setting; list the choices")
             if isinstance(spec, list) and not spec:
                 raise ValueError(f"{key}: no choices")
         return space
@@ -814,8 +832,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _search_space_valid(self) -> Config:
-        # Every choice and both ends of every range make a valid configuration, so no
-        # trial of a search fails on its settings after an hour of others.
+        # Every choice and both ends of every range make a valid configuration alone (a
+        # trial whose draws clash, or an integer inside a range that is not valid, is
+        # skipped when drawn: `journeys.search`).
         search = self.train.search
         if search.trials and (self.train.devices not in (1, "1") or self.train.num_nodes > 1):
             raise ValueError("train.search runs in one process: devices 1 and num_nodes 1")

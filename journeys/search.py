@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from journeys.config import SearchRange, with_settings
+from journeys.errors import ConfigError
 
 if TYPE_CHECKING:
     import optuna
@@ -52,10 +53,20 @@ def drawn_settings(trial: optuna.Trial, config: Config) -> dict[str, Any]:
     return values
 
 
+def shown(settings: dict[str, Any]) -> str:
+    """`key=value, ...`, numbers to four significant digits."""
+    return ", ".join(
+        f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+        for key, value in settings.items()
+    )
+
+
 def search(config: Config, run_trial: TrialRun) -> optuna.Study:
     """Run `train.search.trials` trials (fewer if `train.search.timeout` passes first),
-    each `run_trial(trial_config, settings, number)`, maximising the val ROC AUC it returns.
-    """
+    each `run_trial(trial_config, settings, number)` (numbered from 1), maximising the val
+    ROC AUC it returns. A trial whose drawn settings do not make a valid configuration
+    together (a width inside a range that the heads do not divide) is skipped, pruned in
+    Optuna's terms, and trains nothing."""
     import optuna
 
     settings = config.train.search
@@ -64,13 +75,16 @@ def search(config: Config, run_trial: TrialRun) -> optuna.Study:
     study = optuna.create_study(direction="maximize", sampler=sampler)
 
     def objective(trial: optuna.Trial) -> float:
-        values = drawn_settings(trial, config)
-        shown = ", ".join(f"{key}={value:.4g}" if isinstance(value, float) else
-                          f"{key}={value}" for key, value in values.items())  # fmt: skip
-        print(f"search trial {trial.number + 1} of {settings.trials}: {shown}", flush=True)
-        score = run_trial(with_settings(config, values), values, trial.number)
+        number, values = trial.number + 1, drawn_settings(trial, config)
+        try:
+            trial_config = with_settings(config, values)
+        except ConfigError as err:
+            print(f"search trial {number} of {settings.trials}: skipped, {shown(values)}: {err}")
+            raise optuna.TrialPruned(str(err)) from None
+        print(f"search trial {number} of {settings.trials}: {shown(values)}", flush=True)
+        score = run_trial(trial_config, values, number)
         best = max([score, *(t.value for t in study.trials if t.value is not None)])
-        print(f"search trial {trial.number + 1}: val ROC AUC {score:.4f} (best {best:.4f})")
+        print(f"search trial {number}: val ROC AUC {score:.4f} (best {best:.4f})")
         return score
 
     study.optimize(objective, n_trials=settings.trials, timeout=settings.timeout)

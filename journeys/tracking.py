@@ -38,7 +38,8 @@ CHAMPION_ALIAS = "champion"
 MODEL_FAMILY_TAG = "model_family"  # transformer, or baseline_<name>
 STAGE_TAG = "journeys.stage"  # on runs that are not trainings (e.g. score)
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
-METRICS_PER_REQUEST = 1000  # the most metrics MLflow takes in one log_batch request
+SEARCH_TRIAL_TAG = "search_trial"  # on a `train.search` trial's run: its number, from 1
+BEST_VAL_METRIC = "best_val_roc_auc"  # the best epoch's val ROC AUC (what a search keeps)
 COMPARISON_GROUP_TAG = "comparison_group"  # the transformer run's id, on it and its baselines
 BEST_CHECKPOINT_TAG = "best_checkpoint"
 REGISTERED_VERSION_TAG = "registered_model_version"  # "<name>/<version>"
@@ -296,6 +297,9 @@ def log_config(run: TrackedRun, config: Config, skip: Collection[str] = ()) -> N
     client.log_batch(run_id, params=params, tags=tags)
 
 
+METRICS_PER_REQUEST = 1000  # the most metrics MLflow takes in one log_batch request
+
+
 def copy_metric_histories(run: TrackedRun, source_run_id: str, skip: Collection[str] = ()) -> None:
     """Every metric of `source_run_id` but those in `skip`, step by step, onto `run` (a
     search's kept trial's epochs onto the training run, which then holds its model's
@@ -367,7 +371,7 @@ def logged_val_roc_auc(uri: str, version: ModelVersion) -> float:
         # The run may have been deleted: then there is nothing to compare with.
         with contextlib.suppress(Exception):
             run = MlflowClient(tracking_uri=uri).get_run(version.run_id)
-            value = run.data.metrics.get("best_val_roc_auc")
+            value = run.data.metrics.get(BEST_VAL_METRIC)
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -34,8 +34,10 @@ MLflow run: `paths.checkpoints/latest.json` records the run id beside the checkp
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -95,7 +97,6 @@ if TYPE_CHECKING:
     from journeys.tracking import Registration, TrackedRun
 
 MODEL_FAMILY = "transformer"
-SEARCH_TRIAL_TAG = "search_trial"  # on a `train.search` trial's run: its number
 STATE_FILE = "latest.json"  # in paths.checkpoints: which run/checkpoints --resume continues
 PROMOTION_FILE = "promotion.json"  # the champion decision, logged to the run
 COMPARED_METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
@@ -152,8 +153,7 @@ def train_command(
     tracking.check_tracking_uri(uri)
     if resume and config.train.search.trials:
         raise ConfigError(
-            "train.search cannot resume (a search starts afresh): run `journeys train` "
-            "again, or resume with --set train.search.trials=0"
+            "train.search cannot resume (a search starts afresh): run `journeys train` again"
         )
     resumed = resumable_run(root, uri) if resume else None
     with transformer_run(uri, config.mlflow.experiment, resumed) as run:
@@ -339,6 +339,16 @@ def resume_hint(run_id: str) -> Iterator[None]:
         raise
 
 
+@contextmanager
+def search_hint() -> Iterator[None]:
+    """However a search stops early, say that it starts again (it does not resume)."""
+    try:
+        yield
+    except BaseException:
+        print("training stopped during train.search; a search starts afresh: `journeys train`")
+        raise
+
+
 def fit(
     config: Config,
     sizes: dict[str, dict[str, int]],
@@ -469,8 +479,8 @@ def searched_settings(config: Config) -> list[str]:
 
 @dataclass
 class Trial:
-    """One trial of `train.search`: its number, settings, configuration, fit, checkpoint
-    folder and val ROC AUC (its best epoch's)."""
+    """One trial of `train.search`: its number (from 1), MLflow run, settings,
+    configuration, fit, checkpoint folder and val ROC AUC (its best epoch's)."""
 
     number: int
     run_id: str
@@ -492,9 +502,7 @@ def fit_searched(
 
     Takes the whole `Config`: each trial is the whole configuration with its settings.
     """
-    import shutil
-
-    from journeys.search import search
+    from journeys.search import search, shown
 
     kept: Trial | None = None
     others: list[torch.Tensor] = []  # every other trial's validated epochs
@@ -502,19 +510,19 @@ def fit_searched(
     def run_trial(trial_config: Config, settings: dict[str, Any], number: int) -> float:
         nonlocal kept
         folder = checkpoint_dir / f"trial-{number}"
-        tags = {tracking.PARENT_RUN_TAG: run.run_id, SEARCH_TRIAL_TAG: str(number)}
+        tags = {tracking.PARENT_RUN_TAG: run.run_id, tracking.SEARCH_TRIAL_TAG: str(number)}
         with tracking.mlflow_run(
             run.uri, trial_config.mlflow.experiment, name=f"trial-{number}", tags=tags
         ) as trial_run:
             assert trial_run is not None  # the store answered for the parent run
             trial_run.log_params(settings)
-            with resume_hint(run.run_id), tracking.use_tracking_uri(run.uri):
+            with search_hint(), tracking.use_tracking_uri(run.uri):
                 fitted = fit(trial_config, sizes, trial_run.run_id, folder, resume=False)
             if fitted.checkpoint.best_model_score is None:
                 raise JourneysError("train.search needs val journeys to choose on")
             trial = Trial(number, trial_run.run_id, settings, trial_config, fitted, folder,
                           float(fitted.checkpoint.best_model_score))  # fmt: skip
-            trial_run.log_metrics({"best_val_roc_auc": trial.score})
+            trial_run.log_metrics({tracking.BEST_VAL_METRIC: trial.score})
         if kept and not np.array_equal(
             fitted.datamodule.splits["val"].journey_ids,
             kept.fitted.datamodule.splits["val"].journey_ids,
@@ -527,16 +535,24 @@ def fit_searched(
         if dropped is not None:
             others.extend(dropped.fitted.module.val_history)
             shutil.rmtree(dropped.folder, ignore_errors=True)
+            # Its module and trainer refer to each other: free its encoded journeys now,
+            # not when the cyclic collector happens to run, before the next trial encodes.
+            del dropped
+            gc.collect()
         return trial.score
 
     study = search(config, run_trial)
-    assert kept is not None  # `search` ran at least one trial
+    if kept is None:
+        raise ConfigError(
+            "train.search: no trial's drawn settings made a valid configuration; "
+            "narrow train.search.space"
+        )
     kept.fitted.other_trials = others
     run.log_params(kept.settings)
     run.log_metrics({"search_trials": len(study.trials), "search_best_trial": kept.number})
     # The kept model's epochs on the training run, as any training run has them.
-    tracking.copy_metric_histories(run, kept.run_id, skip=("best_val_roc_auc",))
-    print(f"search: kept trial {kept.number + 1} of {len(study.trials)} ({kept.settings})")
+    tracking.copy_metric_histories(run, kept.run_id, skip=(tracking.BEST_VAL_METRIC,))
+    print(f"search: kept trial {kept.number} of {len(study.trials)} ({shown(kept.settings)})")
     return kept.config, kept.fitted, load_best(kept.fitted, kept.folder)
 
 
@@ -738,7 +754,7 @@ def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, flo
     facts["negative_fraction"] = fitted.module.negative_fraction
     facts["optimizer_steps"] = float(fitted.module.trainer.global_step)
     if fitted.checkpoint.best_model_score is not None:
-        facts["best_val_roc_auc"] = float(fitted.checkpoint.best_model_score)
+        facts[tracking.BEST_VAL_METRIC] = float(fitted.checkpoint.best_model_score)
     return facts
 
 

@@ -34,6 +34,8 @@ SPACE = (
         ),
         ("train.search.space={train.lr: {low: 2, high: 1}}", "low must be below high"),
         ("train.search.space={model.n_layers: []}", "model.n_layers: no choices"),
+        ("train.search.space={train.window: [30d, 60d]}", "not a setting a search may change"),
+        ("train.search.space={model.pooling: {low: 0, high: 1}}", "a range needs a number"),
     ],
 )
 def test_a_search_space_that_cannot_run_is_refused_when_read(override: str, message: str) -> None:
@@ -66,8 +68,8 @@ def test_drawn_settings_keep_each_setting_s_type_and_range() -> None:
 def test_a_search_keeps_its_best_trial_and_logs_every_trial_under_the_run(
     tmp_path: Path, mlflow_env: str
 ) -> None:
-    from journeys.tracking import PARENT_RUN_TAG
-    from journeys.train import SEARCH_TRIAL_TAG, train_command
+    from journeys.tracking import PARENT_RUN_TAG, SEARCH_TRIAL_TAG
+    from journeys.train import train_command
     from journeys.trained_model import load_model
 
     make_learnable_journeys(tmp_path / "journeys", n=400, seed=0)
@@ -88,9 +90,12 @@ def test_a_search_keeps_its_best_trial_and_logs_every_trial_under_the_run(
     best = max(trials, key=lambda t: t.data.metrics["best_val_roc_auc"])
     assert parent.data.metrics["search_best_trial"] == int(best.data.tags[SEARCH_TRIAL_TAG])
     assert parent.data.metrics["best_val_roc_auc"] == best.data.metrics["best_val_roc_auc"]
-    # The run's params are the kept trial's settings, the ones its model was trained with.
+    # The run's params are the kept trial's settings, the ones its model was trained with,
+    # and the steps after the search (here the baselines' runs) read them too.
+    assert len({t.data.params["model.d_model"] for t in trials}) == 2  # the draws differ
+    baseline = client.get_run(result.baselines["logreg"].run_id)
     for key in ("train.lr", "model.d_model"):
-        assert parent.data.params[key] == best.data.params[key]
+        assert parent.data.params[key] == best.data.params[key] == baseline.data.params[key]
     served = load_model(result.model_uri, mlflow_env).model
     assert served.config.d_model == int(best.data.params["model.d_model"])
     # Every trial's epochs went to its own run; the training run holds the kept one's, as
@@ -104,6 +109,7 @@ def test_a_search_keeps_its_best_trial_and_logs_every_trial_under_the_run(
     folders = sorted(p.name for p in (tmp_path / "checkpoints" / result.run_id).iterdir())
     assert folders == [f"trial-{best.data.tags[SEARCH_TRIAL_TAG]}"]
     assert out.getvalue().count("search trial") == 6  # a line as each starts and ends
+    assert [t.data.tags[SEARCH_TRIAL_TAG] for t in trials][::-1] == ["1", "2", "3"]
 
 
 @pytest.mark.slow
@@ -137,3 +143,43 @@ def test_a_search_does_not_resume(tmp_path: Path, mlflow_env: str) -> None:
     config = tiny_config(tmp_path, mlflow_env, "train.search.trials=2")
     with pytest.raises(ConfigError, match=r"train\.search cannot resume"):
         train_command(config, resume=True)
+
+
+@pytest.mark.slow
+def test_a_trial_whose_draws_clash_is_skipped_and_the_search_goes_on(
+    tmp_path: Path, mlflow_env: str
+) -> None:
+    """Both ends of a width range are valid alone (the two heads divide 30 and 34), the
+    widths between may not be: such a trial is skipped, trains nothing, and the search
+    keeps a valid one."""
+    from journeys.train import train_command
+
+    make_learnable_journeys(tmp_path / "journeys", n=200, seed=0)
+    config = tiny_config(
+        tmp_path, mlflow_env, "train.max_epochs=1", "promotion.min_val_conversions=1",
+        "train.baselines=[]", "train.search.trials=6",
+        "train.search.space={model.d_model: {low: 30, high: 34}}",
+    )  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = train_command(config)
+    skipped = out.getvalue().count("skipped")
+    assert skipped >= 1 and "d_model must be divisible by n_heads" in out.getvalue()
+    client = MlflowClient(mlflow_env)
+    trained = client.search_runs([result.experiment_id], "tags.search_trial != ''")
+    assert len(trained) == 6 - skipped
+    assert {int(t.data.params["model.d_model"]) % 2 for t in trained} == {0}
+
+
+def test_a_retried_pipeline_task_starts_a_search_afresh(tmp_path: Path) -> None:
+    """A Prefect retry resumes an interrupted training, but never a search (which
+    `journeys train --resume` refuses): it would fail the same way on every retry."""
+    from flows.pipeline import _resumable
+    from journeys.train import write_state
+
+    write_state(tmp_path, {"run_id": "r", "status": "training"})
+    config = load_config(None, [f"paths.checkpoints={tmp_path}"])
+    assert _resumable(config)
+    assert not _resumable(
+        load_config(None, [f"paths.checkpoints={tmp_path}", "train.search.trials=2"])
+    )
