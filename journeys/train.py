@@ -12,6 +12,8 @@ the part of the configuration it reads (a section, or a value; the few that take
    step; an exponential moving average of the weights, which is what is validated and
    checkpointed), keeping the best `val_roc_auc` and the last epoch under
    `paths.checkpoints/<run_id>/`, stopping early on no improvement;
+   with `train.search`, one fit per trial of a short search (`journeys.search`), each an
+   MLflow run nested under the training run, and the best trial on val kept;
 3. **evaluate**: rank 0 reloads the best checkpoint, scores val and test with the one
    inference path, fits a temperature on val, and computes test metrics and plots;
 4. **the other candidates**: the baselines in `train.baselines` are fitted on train,
@@ -509,6 +511,9 @@ def fit_searched(
 
     def run_trial(trial_config: Config, settings: dict[str, Any], number: int) -> float:
         nonlocal kept
+        # The last dropped trial's module and trainer refer to each other: free its encoded
+        # journeys now, not whenever the cyclic collector runs, before this trial encodes.
+        gc.collect()
         folder = checkpoint_dir / f"trial-{number}"
         tags = {tracking.PARENT_RUN_TAG: run.run_id, tracking.SEARCH_TRIAL_TAG: str(number)}
         with tracking.mlflow_run(
@@ -535,10 +540,6 @@ def fit_searched(
         if dropped is not None:
             others.extend(dropped.fitted.module.val_history)
             shutil.rmtree(dropped.folder, ignore_errors=True)
-            # Its module and trainer refer to each other: free its encoded journeys now,
-            # not when the cyclic collector happens to run, before the next trial encodes.
-            del dropped
-            gc.collect()
         return trial.score
 
     study = search(config, run_trial)
