@@ -71,6 +71,11 @@ VARIANTS = {
     "so_far": ["model.journey_so_far=true"],  # journey-so-far counts and gaps on each event
     "so_far+piecewise": ["model.journey_so_far=true", "model.continuous_encoding=piecewise"],
     "search8": ["train.search.trials=8"],  # a search on val over the default space
+    "search8_optim": [  # ... over the optimiser's settings alone, the architecture kept
+        "train.search.trials=8",
+        "train.search.space={train.lr: {low: 0.0005, high: 0.01, log: true}, "
+        "train.weight_decay: {low: 0.01, high: 0.3, log: true}, model.dropout: {low: 0, high: 0.2}}",
+    ],
 }
 
 
