@@ -636,7 +636,7 @@ class Train(Section):
     # data's end, so a weekly retrain over nightly ingests does not grow with the history;
     # null: every journey. The split's cuts stay the ingest's (`journeys.datasets.in_window`).
     window: Duration | None = None
-    search: Search = Field(default_factory=lambda: Search())
+    search: Search = Field(default_factory=Search)
 
     @property
     def window_delta(self) -> timedelta | None:
