@@ -76,7 +76,6 @@ VARIANTS = {
         "train.search.space={train.lr: {low: 0.0005, high: 0.01, log: true}, "
         "train.weight_decay: {low: 0.01, high: 0.3, log: true}, model.dropout: {low: 0, high: 0.2}}",
     ],
-    "pretrain1000": ["train.pretrain.steps=1000"],  # masked events first, then conversion
 }
 
 

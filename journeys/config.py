@@ -569,21 +569,6 @@ class Search(Section):
         return space
 
 
-class Pretrain(Section):
-    """Self-supervised pre-training before the conversion objective (`journeys.pretraining`):
-    the transformer learns to name hidden events from the rest of their journey, on the
-    train split's journeys and, with `open_journeys`, the open ones (no label is read);
-    then it is fine-tuned on conversion. 0 steps: off."""
-
-    steps: Annotated[int, Field(ge=0)] = 0
-    mask_share: Annotated[float, Field(gt=0, lt=1)] = 0.15  # of a journey's events (BERT's)
-    lr: Annotated[float, Field(gt=0)] | None = None  # null: train.lr
-    # The journeys still open at the data's end (and the converted ones as recent, which no
-    # split holds) beside the train split's: events a label never reaches. Val and test
-    # stay out, so what judges the model is never in what it read.
-    open_journeys: bool = True
-
-
 class Train(Section):
     max_epochs: Annotated[int, Field(ge=1)] = 12
     batch_size: Annotated[int, Field(ge=1)] = 256
@@ -652,7 +637,6 @@ class Train(Section):
     # null: every journey. The split's cuts stay the ingest's (`journeys.datasets.in_window`).
     window: Duration | None = None
     search: Search = Field(default_factory=Search)
-    pretrain: Pretrain = Field(default_factory=Pretrain)
 
     @property
     def window_delta(self) -> timedelta | None:

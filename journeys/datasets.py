@@ -254,22 +254,7 @@ def training_journeys(folder: str | Path, window: timedelta | None = None) -> pl
     In journey-id order, not the part files': a nightly ingest lays the same journeys out
     in other files than a full rebuild, and training must see them in the same order to
     give the same model and metrics with the same seed."""
-    return in_window(labelled(scan_journeys(folder)).sort("journey_id"), folder, window)
-
-
-def pretraining_journeys(
-    folder: str | Path, window: timedelta | None = None, open_journeys: bool = True
-) -> pl.LazyFrame:
-    """The journeys pre-training reads (`train.pretrain`): the train split's and, with
-    `open_journeys`, those no split holds (open at the data's end, or converted as recently);
-    never val's or test's. In journey-id order, within `window` as `training_journeys`."""
-    splits = ["train", NO_SPLIT] if open_journeys else ["train"]
-    journeys = scan_journeys(folder).filter(pl.col("split").is_in(splits)).sort("journey_id")
-    return in_window(journeys, folder, window)
-
-
-def in_window(journeys: pl.LazyFrame, folder: str | Path, window: timedelta | None) -> pl.LazyFrame:
-    """`journeys` that ended within `window` (`train.window`) of the data's end (all: None)."""
+    journeys = labelled(scan_journeys(folder)).sort("journey_id")
     if window is None:
         return journeys
     report = IngestReport.read(folder)

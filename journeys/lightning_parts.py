@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -34,17 +34,11 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint, WeightAveraging
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
-from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import BinaryAUROC
 
 from journeys.config import Model
-from journeys.datasets import (
-    SPLITS,
-    dataset_features,
-    pretraining_journeys,
-    training_journeys,
-)
+from journeys.datasets import SPLITS, dataset_features, training_journeys
 from journeys.encoding import (
     DEFAULT_BUCKET_BATCHES,
     EncodedJourneys,
@@ -100,16 +94,6 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
         return math.sqrt(warmup / (step + 1))
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return COSINE_FLOOR + (1 - COSINE_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def decay_groups(parameters: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """Optimiser groups: decay matrices and embeddings, not biases, LayerNorm gains or the
-    CLS vector."""
-    params = [p for p in parameters if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
 
 
 class JourneyDataModule(L.LightningDataModule):
@@ -248,12 +232,6 @@ class JourneyDataModule(L.LightningDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         subset = sample_negatives(train.labels, self.negative_fraction, self.seed, epoch)
         return self._loader("train", shuffle=True, subset=subset)
-
-    def pretraining_journeys(self, open_journeys: bool) -> EncodedJourneys:
-        """The journeys pre-training reads (`journeys.datasets.pretraining_journeys`: train's
-        and the open ones, never val's or test's), encoded by the encoder fitted on train."""
-        frame = pretraining_journeys(self.journeys_dir, self.window, open_journeys)
-        return self.fitted_encoder.encode(frame.select(*self._columns()).collect())
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)
@@ -414,7 +392,12 @@ class JourneyModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         settings = self.train_settings
-        groups = decay_groups(self.parameters(), settings.weight_decay)
+        # Decay matrices and embeddings, not biases, LayerNorm gains or the CLS vector.
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": settings.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         if settings.optimizer == "sgd":
             # torch's SGD adds weight decay to the gradient (L2), where AdamW decouples it:
             # the same train.weight_decay means far less here (1e-4 against AdamW's 0.1).

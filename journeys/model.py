@@ -516,26 +516,6 @@ class JourneyTransformer(nn.Module):
             exported = exported / exported.sum(dim=1, keepdim=True).clamp(min=1e-12)
         return ModelOutput(logits, prefix_logits, exported)
 
-    def hidden_states(
-        self,
-        tokens: Tensor,
-        features: Tensor,
-        time_buckets: Tensor,
-        mask: Tensor,
-        continuous: Tensor | None = None,
-    ) -> Tensor:
-        """[B, L, D]: each event's representation after the last block (the CLS token left
-        out), what the head reads: for objectives other than conversion
-        (`journeys.pretraining` names masked events from it)."""
-        mask = mask.bool()
-        events = self.event_embeddings(tokens, features, time_buckets, mask, continuous)
-        x, seq_mask = self._sequence(events, mask, mask.sum(dim=1))
-        attn_mask = self._attention_mask(seq_mask)
-        for block in self.blocks:
-            x, _ = block(x, attn_mask)
-        h = self.ln_f(x)
-        return h[:, 1:] if self.cls is not None else h
-
     def event_embeddings(
         self,
         tokens: Tensor,

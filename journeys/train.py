@@ -55,7 +55,6 @@ import numpy as np
 import polars as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from journeys import metrics as M
@@ -85,7 +84,6 @@ from journeys.lightning_parts import (
     step_schedule,
 )
 from journeys.model import PiecewiseLinearInputs
-from journeys.pretraining import pretrain
 from journeys.promotion import STACK, TRANSFORMER, Decision, decide
 from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_model
 from journeys.vocab import Vocabularies
@@ -419,8 +417,6 @@ def fit(
     if resume and not (last and last.exists()):
         print("no checkpoint saved yet: training from the start, in the same run")
         last = None
-    if settings.pretrain.steps and last is None:  # a resumed fit has its weights already
-        pretrain_before(module, datamodule, settings, schedule.batch_size, trainer, logger)
     with warnings.catch_warnings():
         if resume:  # the run's own checkpoints are expected there
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* not empty")
@@ -429,34 +425,6 @@ def fit(
         except SIGTERMException:  # Lightning's own stop after a batch: a SystemExit(None)
             raise Interrupted(signal.SIGTERM) from None
     return Fitted(module, datamodule, checkpoint)
-
-
-def pretrain_before(
-    module: JourneyModule,
-    datamodule: JourneyDataModule,
-    settings: Train,
-    batch_size: int,
-    trainer: L.Trainer,
-    logger: Logger | bool,
-) -> None:
-    """`train.pretrain`: the masked-event objective on the module's network, on the
-    Trainer's device, before the conversion fit; its curve goes to the run
-    (`pretrain_loss`, `pretrain_accuracy` by step)."""
-    journeys = datamodule.pretraining_journeys(settings.pretrain.open_journeys)
-    done = pretrain(
-        module.model, journeys, settings.pretrain, settings, batch_size,
-        trainer.strategy.root_device,
-    )  # fmt: skip
-    module.model.cpu()  # where Lightning expects it before fit
-    if isinstance(logger, Logger):
-        for step, loss, accuracy in done.curve:
-            logger.log_metrics({"pretrain_loss": loss, "pretrain_accuracy": accuracy}, step)
-    if global_rank() == 0 and done.curve:
-        first, last = done.curve[0], done.curve[-1]
-        print(
-            f"pre-trained on {done.journeys:,} journeys for {done.steps} steps: masked-event "
-            f"loss {first[1]:.3f} -> {last[1]:.3f}, {last[2]:.0%} of hidden events named right"
-        )
 
 
 def load_best(fitted: Fitted, checkpoint_dir: Path) -> str:

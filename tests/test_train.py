@@ -73,7 +73,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
             "train.max_epochs=2",
             "train.step_floor=1000",
             "promotion.min_val_conversions=10",
-            "train.pretrain.steps=100",  # masked events first (journeys.pretraining)
         )
         config = tiny_config(tmp, uri, *overrides)
         fluent_before = mlflow.get_tracking_uri()
@@ -85,18 +84,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
         assert "MLFLOW_TRACKING_URI" not in os.environ
         assert mlflow.get_tracking_uri() == fluent_before
         yield result, config, uri, out.getvalue()
-
-
-@pytest.mark.slow
-def test_the_run_pretrains_first_and_logs_the_curve(trained) -> None:
-    result, _, uri, out = trained
-    client = MlflowClient(uri)
-    history = client.get_metric_history(result.run_id, "pretrain_loss")
-    assert [m.step for m in history] == [50, 100]
-    assert history[-1].value < history[0].value
-    accuracy = client.get_metric_history(result.run_id, "pretrain_accuracy")
-    assert [m.step for m in accuracy] == [50, 100] and 0 < accuracy[-1].value <= 1
-    assert out.index("pre-trained on") < out.index("evaluating")  # then the conversion fit
 
 
 @pytest.mark.slow
