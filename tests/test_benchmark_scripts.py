@@ -41,14 +41,31 @@ def test_gpu_benchmark_smoke_run_on_cpu() -> None:
 
 
 @pytest.mark.slow
-def test_default_suite_runs_each_variant_on_a_committed_sample() -> None:
-    out = run_script("benchmarks/suite.py", "--logs", "ga4_sample", "--no-record")
+def test_default_suite_runs_a_candidate_beside_the_defaults_on_a_committed_sample() -> None:
+    out = run_script(
+        "benchmarks/suite.py", "--logs", "ga4_sample", "--variants", "defaults", "wide",
+        "--no-record",
+    )  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith("| ga4_sample |")]
-    from benchmarks.suite import VARIANTS
-
-    assert [row.split(" | ")[1] for row in rows] == list(VARIANTS)
+    assert [row.split(" | ")[1] for row in rows] == ["defaults", "wide"]
     # The deletion test ran on each: top and random logit drops.
     assert all(re.search(r"\| -?\d+\.\d+ / -?\d+\.\d+ \(", row) for row in rows)
+    assert re.search(r"^\| wide \| ga4_sample \| no \|", out, re.MULTILINE)  # paired, not voted
+
+
+def test_every_suite_variant_is_a_valid_configuration_of_every_log() -> None:
+    """What running each variant on a log would check first, without the trainings (a
+    search variant alone trains eight models): its settings read on the log's own."""
+    from benchmarks.public_logs import PUBLIC_LOGS
+    from benchmarks.suite import LOGS, VARIANTS
+    from journeys.config import load_config
+
+    configs = {log.config: log.overrides for log in LOGS}
+    configs |= {log.config: () for log in PUBLIC_LOGS}
+    assert len(configs) >= 5  # the default, BPIC 2012, the samples' and the public logs'
+    for config, log_overrides in configs.items():
+        for overrides in VARIANTS.values():
+            load_config(ROOT / config, [*log_overrides, *overrides])
 
 
 def test_the_suite_pairs_each_seed_with_the_defaults_of_that_seed() -> None:
