@@ -506,6 +506,8 @@ NOT_SEARCHABLE = frozenset(
         *("train.search", "train.devices", "train.num_nodes", "train.strategy"),
         *("train.accelerator", "train.window", "train.objective", "train.monitor"),
         *("train.prefix_weight", "model.causal"),
+        # ... nor which other candidates run beside the transformer
+        *("train.baselines", "train.stack", "train.bigrams"),
     }
 )
 
@@ -832,11 +834,14 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _search_space_valid(self) -> Config:
-        # Every choice and both ends of every range make a valid configuration alone (a
-        # trial whose draws clash, or an integer inside a range that is not valid, is
-        # skipped when drawn: `journeys.search`).
+        # With a search on, every choice and both ends of every range make a valid
+        # configuration alone (a trial whose draws clash, or an integer inside a range that
+        # is not valid, is skipped when drawn: `journeys.search`). Off, only the keys are
+        # checked (`Search`): the default space's widths need not suit a model of 3 heads.
         search = self.train.search
-        if search.trials and (self.train.devices not in (1, "1") or self.train.num_nodes > 1):
+        if not search.trials:
+            return self
+        if self.train.devices not in (1, "1") or self.train.num_nodes > 1:
             raise ValueError("train.search runs in one process: devices 1 and num_nodes 1")
         for key, spec in search.space.items():
             values = spec if isinstance(spec, list) else [spec.low, spec.high]
@@ -900,11 +905,18 @@ def _read_yaml(config_path: Path) -> dict[str, Any]:
     return loaded or {}
 
 
+# Mappings that are one setting, not a section: a later file's replaces an earlier's whole
+# (a search space narrowed in a second file is that space, not the first one's plus it).
+WHOLE_MAPPINGS = frozenset({"space"})
+
+
 def _merge(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
     """`layer` over `base`: sections merge key by key; any other value replaces."""
     merged = dict(base)
     for key, value in layer.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if key in WHOLE_MAPPINGS:
+            merged[key] = value
+        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = _merge(merged[key], value)
         else:
             merged[key] = value

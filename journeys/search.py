@@ -2,15 +2,17 @@
 
 Each trial trains the transformer with settings drawn from `train.search.space` (a run of
 its own in MLflow, nested under the training run); the trial whose best epoch has the
-highest val ROC AUC is the one kept. A search is more checkpoints to choose from, and it is
-judged like the choice of an epoch: every validated epoch of every trial is a choice, so
-promotion cross-fits over all of them (`journeys.promotion.cross_fitted_logits`), and a
-trial that is lucky on one half of val does not survive the other.
+highest `train.monitor` (val ROC AUC by default) is the one kept. A search is more
+checkpoints to choose from, and it is judged like the choice of an epoch: every validated
+epoch of every trial is a choice, so promotion cross-fits over all of them
+(`journeys.train.candidates_beside`, `journeys.promotion.cross_fit`), and a trial that is
+lucky on one half of val does not survive the other.
 
 Optuna's TPE sampler, seeded with `train.seed`, draws the first trials at random
 (`STARTUP_TRIALS`) and later ones near the best so far: those later proposals read the
-val ROC AUC of the trials before them, so in a long search the transformer's val figure
-leans a little optimistic. The test split never takes part.
+val figures of the trials before them, so in a long search the transformer's val figure
+leans a little optimistic. The test split never takes part. `train.search.timeout` is
+checked between trials: the trial running when it passes finishes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
 # search of this many or fewer is a seeded random search.
 STARTUP_TRIALS = 10
 
-# One trial: its configuration, the settings drawn and its number in; its val ROC AUC out.
+# One trial: its configuration, the settings drawn and its number in; its best
+# `train.monitor` (val ROC AUC by default) out.
 TrialRun = Callable[["Config", dict[str, Any], int], float]
 
 
@@ -63,8 +66,8 @@ def shown(settings: dict[str, Any]) -> str:
 
 def search(config: Config, run_trial: TrialRun) -> optuna.Study:
     """Run `train.search.trials` trials (fewer if `train.search.timeout` passes first),
-    each `run_trial(trial_config, settings, number)` (numbered from 1), maximising the val
-    ROC AUC it returns. A trial whose drawn settings do not make a valid configuration
+    each `run_trial(trial_config, settings, number)` (numbered from 1), maximising the
+    best `train.monitor` it returns. A trial whose drawn settings do not make a valid configuration
     together (a width inside a range that the heads do not divide) is skipped, pruned in
     Optuna's terms, and trains nothing."""
     import optuna
@@ -84,7 +87,7 @@ def search(config: Config, run_trial: TrialRun) -> optuna.Study:
         print(f"search trial {number} of {settings.trials}: {shown(values)}", flush=True)
         score = run_trial(trial_config, values, number)
         best = max([score, *(t.value for t in study.trials if t.value is not None)])
-        print(f"search trial {number}: val ROC AUC {score:.4f} (best {best:.4f})")
+        print(f"search trial {number}: {config.train.monitor} {score:.4f} (best {best:.4f})")
         return score
 
     study.optimize(objective, n_trials=settings.trials, timeout=settings.timeout)

@@ -39,7 +39,6 @@ MODEL_FAMILY_TAG = "model_family"  # transformer, or baseline_<name>
 STAGE_TAG = "journeys.stage"  # on runs that are not trainings (e.g. score)
 PARENT_RUN_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
 SEARCH_TRIAL_TAG = "search_trial"  # on a `train.search` trial's run: its number, from 1
-BEST_VAL_METRIC = "best_val_roc_auc"  # the best epoch's val ROC AUC (what a search keeps)
 COMPARISON_GROUP_TAG = "comparison_group"  # the transformer run's id, on it and its baselines
 BEST_CHECKPOINT_TAG = "best_checkpoint"
 REGISTERED_VERSION_TAG = "registered_model_version"  # "<name>/<version>"
@@ -55,6 +54,12 @@ BASELINES_AHEAD_TAG = "baselines_ahead"
 # must fail before it spends minutes of compute, not when it tries to log the result.
 REACHABILITY_TIMEOUT_S = 5.0
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def best_val_metric(monitor: str) -> str:
+    """The metric holding a fit's best epoch's value of `train.monitor` (what picks the
+    checkpoint and a search's trial): `best_val_roc_auc` with the default monitor."""
+    return f"best_{monitor}"
 
 
 def tracking_uri(config: Config) -> str:
@@ -371,7 +376,7 @@ def logged_val_roc_auc(uri: str, version: ModelVersion) -> float:
         # The run may have been deleted: then there is nothing to compare with.
         with contextlib.suppress(Exception):
             run = MlflowClient(tracking_uri=uri).get_run(version.run_id)
-            value = run.data.metrics.get(BEST_VAL_METRIC)
+            value = run.data.metrics.get(best_val_metric("val_roc_auc"))
     try:
         return float(value)
     except (TypeError, ValueError):

@@ -497,13 +497,15 @@ def fit_searched(
     config: Config, sizes: dict[str, dict[str, int]], run: TrackedRun, checkpoint_dir: Path
 ) -> tuple[Config, Fitted, str]:
     """`train.search` (`journeys.search`): fit one transformer per trial, each in an MLflow
-    run nested under `run`, and keep the trial with the best val ROC AUC; return its
-    configuration, its fit (with every other trial's validated epochs, for an honest
-    judgement) and its best checkpoint. The kept settings go to `run` as params; the other
+    run nested under `run`, and keep the trial with the best `train.monitor` (val ROC AUC);
+    return its configuration, its fit (with every other trial's validated epochs, for an
+    honest judgement) and its best checkpoint. The kept settings go to `run` as params; the other
     trials' checkpoints are deleted.
 
     Takes the whole `Config`: each trial is the whole configuration with its settings.
     """
+    import optuna
+
     from journeys.search import search, shown
 
     kept: Trial | None = None
@@ -520,14 +522,14 @@ def fit_searched(
             run.uri, trial_config.mlflow.experiment, name=f"trial-{number}", tags=tags
         ) as trial_run:
             assert trial_run is not None  # the store answered for the parent run
-            trial_run.log_params(settings)
+            trial_run.log_params({key: trial_config.flat()[key] for key in settings})
             with search_hint(), tracking.use_tracking_uri(run.uri):
                 fitted = fit(trial_config, sizes, trial_run.run_id, folder, resume=False)
             if fitted.checkpoint.best_model_score is None:
                 raise JourneysError("train.search needs val journeys to choose on")
             trial = Trial(number, trial_run.run_id, settings, trial_config, fitted, folder,
                           float(fitted.checkpoint.best_model_score))  # fmt: skip
-            trial_run.log_metrics({tracking.BEST_VAL_METRIC: trial.score})
+            trial_run.log_metrics({tracking.best_val_metric(config.train.monitor): trial.score})
         if kept and not np.array_equal(
             fitted.datamodule.splits["val"].journey_ids,
             kept.fitted.datamodule.splits["val"].journey_ids,
@@ -549,11 +551,14 @@ def fit_searched(
             "narrow train.search.space"
         )
     kept.fitted.other_trials = others
-    run.log_params(kept.settings)
-    run.log_metrics({"search_trials": len(study.trials), "search_best_trial": kept.number})
+    # As validated (a YAML `1e-3` is read as text, validated to 0.001), as `flat()` logs.
+    run.log_params({key: kept.config.flat()[key] for key in kept.settings})
+    trained = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    run.log_metrics({"search_trials": trained, "search_best_trial": kept.number})
     # The kept model's epochs on the training run, as any training run has them.
-    tracking.copy_metric_histories(run, kept.run_id, skip=(tracking.BEST_VAL_METRIC,))
-    print(f"search: kept trial {kept.number} of {len(study.trials)} ({shown(kept.settings)})")
+    best = tracking.best_val_metric(config.train.monitor)
+    tracking.copy_metric_histories(run, kept.run_id, skip=(best,))
+    print(f"search: kept trial {kept.number} of {trained} trained ({shown(kept.settings)})")
     return kept.config, kept.fitted, load_best(kept.fitted, kept.folder)
 
 
@@ -755,7 +760,8 @@ def run_facts(fitted: Fitted, sizes: dict[str, dict[str, int]]) -> dict[str, flo
     facts["negative_fraction"] = fitted.module.negative_fraction
     facts["optimizer_steps"] = float(fitted.module.trainer.global_step)
     if fitted.checkpoint.best_model_score is not None:
-        facts[tracking.BEST_VAL_METRIC] = float(fitted.checkpoint.best_model_score)
+        monitor = fitted.module.train_settings.monitor
+        facts[tracking.best_val_metric(monitor)] = float(fitted.checkpoint.best_model_score)
     return facts
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from pathlib import Path
 
 import optuna
@@ -40,7 +41,27 @@ SPACE = (
 )
 def test_a_search_space_that_cannot_run_is_refused_when_read(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, ["train.search.trials=2", override])
+
+
+def test_a_search_off_checks_the_space_s_keys_but_not_its_values() -> None:
+    """The default space's widths (32, 64, 128) do not suit 3 heads: with the search off
+    the model is not refused for it; a search over it would be."""
+    load_config(None, ["model.n_heads=3", "model.d_model=48"])
+    with pytest.raises(ConfigError, match=r"model\.d_model=32 is not a valid setting"):
+        load_config(None, ["model.n_heads=3", "model.d_model=48", "train.search.trials=2"])
+    with pytest.raises(ConfigError, match=r"model\.widht: unknown setting"):
+        load_config(None, ["train.search.space={model.widht: [1, 2]}"])  # off, still a key
+    with pytest.raises(ConfigError, match="not a setting a search may change"):
+        load_config(None, ["train.search.trials=2", "train.search.space={train.stack: [true]}"])
+
+
+def test_a_later_configuration_file_replaces_the_search_space_whole(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("train:\n  search:\n    space:\n      train.lr: [0.001, 0.003]\n")
+    config = load_config([Path(__file__).parents[1] / "conf" / "default.yaml", mine], [])
+    assert list(config.train.search.space) == ["train.lr"]
+    assert config.train.search.space["train.lr"] == [0.001, 0.003]
 
 
 def test_a_search_runs_in_one_process() -> None:
@@ -163,11 +184,13 @@ def test_a_trial_whose_draws_clash_is_skipped_and_the_search_goes_on(
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         result = train_command(config)
-    skipped = out.getvalue().count("skipped")
+    skipped = len(re.findall(r"^search trial \d+ of 6: skipped", out.getvalue(), re.MULTILINE))
     assert skipped >= 1 and "d_model must be divisible by n_heads" in out.getvalue()
     client = MlflowClient(mlflow_env)
     trained = client.search_runs([result.experiment_id], "tags.search_trial != ''")
     assert len(trained) == 6 - skipped
+    parent = client.get_run(result.run_id)
+    assert parent.data.metrics["search_trials"] == 6 - skipped  # trained, not drawn
     assert {int(t.data.params["model.d_model"]) % 2 for t in trained} == {0}
 
 
