@@ -302,9 +302,6 @@ def log_config(run: TrackedRun, config: Config, skip: Collection[str] = ()) -> N
     client.log_batch(run_id, params=params, tags=tags)
 
 
-METRICS_PER_REQUEST = 1000  # the most metrics MLflow takes in one log_batch request
-
-
 def copy_metric_histories(run: TrackedRun, source_run_id: str, skip: Collection[str] = ()) -> None:
     """Every metric of `source_run_id` but those in `skip`, step by step, onto `run` (a
     search's kept trial's epochs onto the training run, which then holds its model's
@@ -318,8 +315,7 @@ def copy_metric_histories(run: TrackedRun, source_run_id: str, skip: Collection[
         if key not in skip
         for m in client.get_metric_history(source_run_id, key)
     ]
-    for start in range(0, len(history), METRICS_PER_REQUEST):
-        client.log_batch(run.run_id, metrics=history[start : start + METRICS_PER_REQUEST])
+    client.log_batch(run.run_id, metrics=history)  # MLflow sends it in chunks it takes
 
 
 def _flatten_counts(prefix: str, value: Any, out: dict[str, float]) -> None:
