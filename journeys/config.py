@@ -31,8 +31,10 @@ from journeys.errors import ConfigError
 
 DEFAULT_CONFIG = Path("conf/default.yaml")
 
-# `scheme://user:password@host` -> `scheme://user:***@host`, for anything logged or printed.
-_URI_PASSWORD = re.compile(r"(://[^/:@\s]+):[^@/\s]+@")
+# `scheme://user:password@host` -> `scheme://user:***@host`, for anything logged or printed;
+# also with no user (`redis://:password@host`) and with a `/` in the password, which
+# SQLAlchemy reads (a string with a later `@` loses a little more than its password).
+_URI_PASSWORD = re.compile(r"(://[^/:@\s]*):[^@\s]*@")
 REDACTED = "***"
 
 

@@ -30,8 +30,11 @@ so the figure judged is cross-fitted (`cross_fitted_logits`): each half of val i
 the epoch the other half picked, and an epoch-0 fluke on one half does not survive the
 other. Calibration fitted on val (the transformer's temperature, the stack's Platt
 scaling) are chosen and fitted on one half for the other the same way (`cross_fit`). The
-chosen candidate then meets the champion with what it serves, fitted on all of val, as
-the champion's scores are what the champion serves.
+chosen candidate then meets the champion with that honest figure too: what it serves,
+its checkpoint chosen on all of val, would meet the champion's out-of-sample scores with
+an in-sample one, and a run would win on the luck of its choice. (The version's logged
+`val_roc_auc`, which a champion that cannot score the journeys is met with, is the same
+honest figure.)
 
 The test split never takes part: its metrics are reported, so they still measure
 something. (MLflow's model validation refuses a candidate below a baseline's thresholds;
@@ -109,9 +112,10 @@ def decide(
     """The decision on the val split: `labels`, each candidate's honest val probabilities
     (`candidates[kind]`, the transformer first), and `champion`: the current champion's
     scores on the same journeys, its logged val ROC AUC when it could not score them, or
-    None when there is none yet. The chosen candidate meets the champion with what it
-    serves on val (`served[kind]`, fitted on all of val, as the champion's scores are what
-    it serves; default: its honest figures). See the module docstring for the checks."""
+    None when there is none yet. The chosen candidate meets the champion with its honest
+    figure too. `served[kind]` (what each serves on val, fitted on all of it) is what the
+    transformer meets the champion with when `promotion.guard` is off, for plumbing and
+    demos (default: its honest figures). See the module docstring for the checks."""
     served = served or {}
     labels = np.asarray(labels).astype(bool)
     conversions, n = int(labels.sum()), labels.size
@@ -120,13 +124,16 @@ def decide(
         why = f"{TRANSFORMER} serves (promotion.guard off)"
         scores = served.get(TRANSFORMER, candidates[TRANSFORMER])
         return _against_champion(labels, TRANSFORMER, scores, champion, metrics, why)
-    if conversions < settings.min_val_conversions or conversions == n:
+    if min(conversions, n - conversions) < settings.min_val_conversions:
+        # Either outcome that rare: an AUC's interval would be no interval (one journey
+        # without a conversion makes DeLong's variance 0).
+        fewer = "conversions" if conversions <= n - conversions else "journeys without one"
         return Decision(
             False,
             "too_few_conversions",
-            f"the val split holds {conversions} conversions of {n} journeys, fewer than "
-            f"promotion.min_val_conversions ({settings.min_val_conversions}): no model can "
-            f"be chosen on it, {_champion_stays(champion)}",
+            f"the val split holds {conversions} conversions of {n} journeys, fewer "
+            f"{fewer} than promotion.min_val_conversions ({settings.min_val_conversions}): "
+            f"no model can be chosen on it, {_champion_stays(champion)}",
             "give val more journeys (a longer log, then `journeys ingest` with a larger val "
             "share in split.fractions)",
         )
@@ -165,7 +172,7 @@ def decide(
     return _against_champion(
         labels,
         chosen,
-        served.get(chosen, candidates[chosen]),
+        candidates[chosen],
         champion,
         metrics,
         _why(chosen, order, metrics, passed_over),

@@ -888,8 +888,8 @@ def candidates_beside(
         return M.sigmoid(epoch[held], M.fit_temperature(epoch[fit], labels[fit]))
 
     val_columns = {TRANSFORMER: promotion.cross_fit(labels, folds, transformer_fold)}
-    # What each candidate serves on val (fitted on all of it): the champion is compared
-    # with that, as the champion's own scores are what it serves.
+    # What each candidate serves on val (fitted on all of it): what the transformer meets
+    # the champion with when promotion.guard is off (plumbing and demos).
     served_val = {TRANSFORMER: M.sigmoid(evaluation.val_logits, evaluation.temperature)}
     test_scores = {TRANSFORMER: M.sigmoid(evaluation.test_logits, evaluation.temperature)}
     test_labels = test.get_column("label").to_numpy().astype(np.int64)

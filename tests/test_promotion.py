@@ -189,6 +189,30 @@ def test_too_few_val_conversions_choose_nothing() -> None:
     assert "`journeys ingest`" in decision.fix  # the split is the ingest's
 
 
+def test_too_few_val_journeys_without_a_conversion_choose_nothing_either() -> None:
+    """30 conversions and one journey without: DeLong's interval has no width there, and a
+    perfect-looking AUC of 1 must not make a champion."""
+    labels = np.array([True] * 30 + [False])
+    decision = decide(labels, {"transformer": labels * 1.0}, None, SETTINGS)
+    assert decision.check == "too_few_conversions" and not decision.promote
+    assert "fewer journeys without one than promotion.min_val_conversions" in decision.reason
+
+
+def test_the_champion_meets_the_honest_figure_not_the_one_that_chose() -> None:
+    """What a candidate serves on val was chosen on val (its best epoch); the champion's
+    scores were not. Met with the served figure, a candidate would win on the luck of its
+    choice; with the honest (cross-fitted) figure, it wins on what it learned."""
+    labels, signal = val_split()
+    honest, lucky = noisier(signal, 1.0, 1), noisier(signal, 0.1, 2)
+    champion = noisier(signal, 0.5, 3)  # between the two
+    decision = decide(
+        labels, {"transformer": honest}, champion, SETTINGS, served={"transformer": lucky}
+    )
+    assert decision.check == "not_better_than_champion" and not decision.promote
+    off = Promotion(guard=False)  # plumbing and demos: what it serves
+    assert decide(labels, {"transformer": honest}, champion, off, {"transformer": lucky}).promote
+
+
 def test_the_champion_is_compared_on_the_same_val_journeys() -> None:
     labels, signal = val_split()
     better, worse = noisier(signal, 0.1, 1), noisier(signal, 1.0, 2)

@@ -268,6 +268,23 @@ def test_configuration_leaves_the_process_without_its_passwords(
     assert tracking_uri(read_back) == URI_WITH_PASSWORD
 
 
+@pytest.mark.parametrize(
+    ("uri", "redacted"),
+    [
+        ("postgresql://u:s3cret@db:5432/mlflow", "postgresql://u:***@db:5432/mlflow"),
+        ("redis://:s3cret@cache:6379/0", "redis://:***@cache:6379/0"),  # no user name
+        ("postgresql://u:pa/ss@db/mlflow", "postgresql://u:***@db/mlflow"),  # `/` in it
+        ("http://mlflow:5000/api", "http://mlflow:5000/api"),  # no password: untouched
+        ("sqlite:///mlflow.db", "sqlite:///mlflow.db"),
+    ],
+)
+def test_every_password_in_a_uri_is_redacted(uri: str, redacted: str) -> None:
+    from journeys.config import is_redacted, redact_uri
+
+    assert redact_uri(f"tracking at {uri} failed") == f"tracking at {redacted} failed"
+    assert is_redacted(redact_uri(uri)) == (uri != redacted)
+
+
 def test_run_logs_redact_passwords_before_prefect_stores_them() -> None:
     """Messages and tracebacks logged on Prefect's run loggers (which go to its database)
     lose URI passwords, whoever logs them (the engine's 'View at <url>' line included)."""
