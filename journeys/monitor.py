@@ -154,6 +154,14 @@ def sketch_shift(night: Sketch, reference: Sketch) -> tuple[float, float]:
     return wasserstein / spread, float(kstwobign.sf(d * math.sqrt(effective)))
 
 
+def smoothed_share(count: float, total: float) -> float:
+    """A share seen as `count` of `total`, with half a count added (Jeffreys' prior): a
+    baseline that saw none is not certain there are none. Against exactly 0 of 100,000,
+    one unknown value in a 40-event night had p = 4e-11, swaying Benjamini-Hochberg's cut
+    for the night's other tests; against half a count, 2e-4, near Fisher's exact 4e-4."""
+    return (count + 0.5) / (total + 1)
+
+
 def proportion_p(count: int, total: int, baseline: float) -> float:
     """One-sided p-value that `count` of `total` exceeds a share of `baseline`."""
     from scipy.stats import binom
@@ -231,7 +239,8 @@ def checks(
             "unknown_values", column,
             f"{column}: {share:.1%} of tonight's events hold a value the model does not know "
             f"(reference {base:.2%})" + (f": {top}" if top else ""),
-            share - base, settings.min_unknown_share, proportion_p(lacked, events, base),
+            share - base, settings.min_unknown_share,
+            proportion_p(lacked, events, smoothed_share(ref.unknown.get(column, 0), ref.events)),
             share - base >= settings.min_unknown_share,
         ))  # fmt: skip
     sketches = [

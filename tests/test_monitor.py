@@ -238,6 +238,26 @@ def test_thresholds_know_their_sample_size() -> None:
     assert not any(c.alert for c in checks(_night(few), reference, {}, settings))
 
 
+def test_a_baseline_that_saw_no_unknown_value_is_not_taken_as_certain() -> None:
+    """The reference saw no unknown value in 100,000 events. One in a 40-event night is
+    then about as surprising as Fisher's exact test says (p ~ 4e-4), not p = 4e-11 as
+    against a rate of exactly 0, which would sway Benjamini-Hochberg's cut for every other
+    test of the night; 2% of 5,000 still alerts."""
+    from scipy.stats import fisher_exact
+
+    settings = load_config(None).monitor
+    reference = Reference(Profile(events=100_000, unknown={"event_type": 0}))
+
+    def unknown_check(events: int, lacked: int):
+        night = Profile(events=events, unknown={"event_type": lacked})
+        found = checks(_night(night), reference, {}, settings)
+        return next(c for c in found if c.check == "unknown_values")
+
+    exact = fisher_exact([[1, 39], [0, 100_000]], alternative="greater").pvalue
+    assert exact / 3 < unknown_check(40, 1).p_value < exact * 3
+    assert unknown_check(5_000, 100).alert
+
+
 def _night(measured: Profile):
     from datetime import UTC, datetime
 
