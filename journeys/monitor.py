@@ -149,7 +149,12 @@ def sketch_shift(night: Sketch, reference: Sketch) -> tuple[float, float]:
     wasserstein = float(np.mean(np.abs(a - b)))
     spread = reference.std if reference.std > 0 else max(abs(reference.mean), 1.0)
     grid = np.union1d(a, b)
-    d = float(np.max(np.abs(np.interp(grid, a, levels) - np.interp(grid, b, levels))))
+    night_cdf, reference_cdf = cdf_points(a, levels), cdf_points(b, levels)
+    d = float(np.max(np.abs(np.interp(grid, *night_cdf) - np.interp(grid, *reference_cdf))))
+    if len(night_cdf[0]) < len(a) or len(reference_cdf[0]) < len(b):
+        # Atoms (a whole-number column): a sketch places the CDF at each only to within one
+        # level, so two sketches of one distribution differ by up to that much there.
+        d = max(0.0, d - float(levels[1] - levels[0]))
     effective = night.n * reference.n / (night.n + reference.n)
     return wasserstein / spread, float(kstwobign.sf(d * math.sqrt(effective)))
 
@@ -160,6 +165,14 @@ def smoothed_share(count: float, total: float) -> float:
     one unknown value in a 40-event night had p = 4e-11, swaying Benjamini-Hochberg's cut
     for the night's other tests; against half a count, 2e-4, near Fisher's exact 4e-4."""
     return (count + 0.5) / (total + 1)
+
+
+def cdf_points(quantiles: np.ndarray, levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sketch's CDF as points to interpolate: each distinct quantile value with the
+    highest level at it. A whole-number column's atoms repeat a value over many levels,
+    and interpolating over the repeats read an arbitrary level at them."""
+    values, last = np.unique(quantiles[::-1], return_index=True)
+    return values, levels[::-1][last]
 
 
 def proportion_p(count: int, total: int, baseline: float) -> float:

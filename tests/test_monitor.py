@@ -258,6 +258,21 @@ def test_a_baseline_that_saw_no_unknown_value_is_not_taken_as_certain() -> None:
     assert unknown_check(5_000, 100).alert
 
 
+def test_a_whole_number_column_from_one_distribution_does_not_differ() -> None:
+    """Journey lengths are whole numbers: their sketches repeat values over many levels.
+    Two samples of one geometric distribution are not a shift at any size; twice the
+    mean length is."""
+    from journeys.monitor import sketch_shift
+
+    rng = np.random.default_rng(3)
+    reference = Sketch.of(rng.geometric(0.3, 200_000))
+    for n in (2_000, 20_000, 200_000):
+        _, p = sketch_shift(Sketch.of(rng.geometric(0.3, n)), reference)
+        assert p > 1e-3, n
+    shift, p = sketch_shift(Sketch.of(rng.geometric(0.15, 20_000)), reference)
+    assert p < 1e-9 and shift > 0.25
+
+
 def _night(measured: Profile):
     from datetime import UTC, datetime
 
