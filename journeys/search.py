@@ -67,9 +67,9 @@ def shown(settings: dict[str, Any]) -> str:
 def search(config: Config, run_trial: TrialRun) -> optuna.Study:
     """Run `train.search.trials` trials (fewer if `train.search.timeout` passes first),
     each `run_trial(trial_config, settings, number)` (numbered from 1), maximising the
-    best `train.monitor` it returns. A trial whose drawn settings do not make a valid configuration
-    together (a width inside a range that the heads do not divide) is skipped, pruned in
-    Optuna's terms, and trains nothing."""
+    best `train.monitor` it returns. A trial whose drawn settings do not make a valid
+    configuration together (a width inside a range that the heads do not divide) is
+    skipped, pruned in Optuna's terms, and trains nothing."""
     import optuna
 
     settings = config.train.search
