@@ -909,17 +909,20 @@ def _read_yaml(config_path: Path) -> dict[str, Any]:
 
 # Mappings that are one setting, not a section: a later file's replaces an earlier's whole
 # (a search space narrowed in a second file is that space, not the first one's plus it).
-WHOLE_MAPPINGS = frozenset({"space"})
+WHOLE_MAPPINGS = frozenset({"train.search.space"})
 
 
-def _merge(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, Any], layer: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """`layer` over `base`: sections merge key by key; any other value replaces."""
     merged = dict(base)
     for key, value in layer.items():
-        if key in WHOLE_MAPPINGS:
-            merged[key] = value
-        elif isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+        path = f"{prefix}{key}"
+        if (
+            path not in WHOLE_MAPPINGS
+            and isinstance(value, dict)
+            and isinstance(merged.get(key), dict)
+        ):
+            merged[key] = _merge(merged[key], value, f"{path}.")
         else:
             merged[key] = value
     return merged

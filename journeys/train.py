@@ -479,6 +479,13 @@ def searched_settings(config: Config) -> list[str]:
     return list(config.train.search.space) if config.train.search.trials else []
 
 
+def as_validated(config: Config, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings`' keys with the values `config` holds, as `flat()` logs them: a drawn
+    YAML `1e-3` is text until validated to 0.001."""
+    flat = config.flat()
+    return {key: flat[key] for key in settings}
+
+
 @dataclass
 class Trial:
     """One trial of `train.search`: its number (from 1), MLflow run, settings,
@@ -499,8 +506,8 @@ def fit_searched(
     """`train.search` (`journeys.search`): fit one transformer per trial, each in an MLflow
     run nested under `run`, and keep the trial with the best `train.monitor` (val ROC AUC);
     return its configuration, its fit (with every other trial's validated epochs, for an
-    honest judgement) and its best checkpoint. The kept settings go to `run` as params; the other
-    trials' checkpoints are deleted.
+    honest judgement) and its best checkpoint. The kept settings go to `run` as params;
+    the other trials' checkpoints are deleted.
 
     Takes the whole `Config`: each trial is the whole configuration with its settings.
     """
@@ -522,7 +529,7 @@ def fit_searched(
             run.uri, trial_config.mlflow.experiment, name=f"trial-{number}", tags=tags
         ) as trial_run:
             assert trial_run is not None  # the store answered for the parent run
-            trial_run.log_params({key: trial_config.flat()[key] for key in settings})
+            trial_run.log_params(as_validated(trial_config, settings))
             with search_hint(), tracking.use_tracking_uri(run.uri):
                 fitted = fit(trial_config, sizes, trial_run.run_id, folder, resume=False)
             if fitted.checkpoint.best_model_score is None:
@@ -551,8 +558,7 @@ def fit_searched(
             "narrow train.search.space"
         )
     kept.fitted.other_trials = others
-    # As validated (a YAML `1e-3` is read as text, validated to 0.001), as `flat()` logs.
-    run.log_params({key: kept.config.flat()[key] for key in kept.settings})
+    run.log_params(as_validated(kept.config, kept.settings))
     trained = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
     run.log_metrics({"search_trials": trained, "search_best_trial": kept.number})
     # The kept model's epochs on the training run, as any training run has them.
@@ -888,8 +894,9 @@ def candidates_beside(
         return M.sigmoid(epoch[held], M.fit_temperature(epoch[fit], labels[fit]))
 
     val_columns = {TRANSFORMER: promotion.cross_fit(labels, folds, transformer_fold)}
-    # What each candidate serves on val (fitted on all of it): what the transformer meets
-    # the champion with when promotion.guard is off (plumbing and demos).
+    # What each candidate serves on val (fitted on all of it): the served one's monitoring
+    # reference, and what the transformer meets the champion with when promotion.guard is
+    # off (plumbing and demos); with the guard on, the honest columns above meet it.
     served_val = {TRANSFORMER: M.sigmoid(evaluation.val_logits, evaluation.temperature)}
     test_scores = {TRANSFORMER: M.sigmoid(evaluation.test_logits, evaluation.temperature)}
     test_labels = test.get_column("label").to_numpy().astype(np.int64)

@@ -60,10 +60,10 @@ def test_every_suite_variant_is_a_valid_configuration_of_every_log() -> None:
     from benchmarks.suite import LOGS, VARIANTS
     from journeys.config import load_config
 
-    configs = {log.config: log.overrides for log in LOGS}
-    configs |= {log.config: () for log in PUBLIC_LOGS}
+    configs = {(log.config, log.overrides) for log in LOGS}
+    configs |= {(log.config, ()) for log in PUBLIC_LOGS}
     assert len(configs) >= 5  # the default, BPIC 2012, the samples' and the public logs'
-    for config, log_overrides in configs.items():
+    for config, log_overrides in sorted(configs):
         for overrides in VARIANTS.values():
             load_config(ROOT / config, [*log_overrides, *overrides])
 
