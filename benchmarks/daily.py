@@ -27,8 +27,8 @@ Each night, nightly and rebuild alike, writes its report into its own folders, a
 deployment does.
 
 The model has the default architecture with random weights and, as a run's champion
-often does, a stack head (`hgb_aggregates` fitted on the first night's labelled journeys:
-loading it imports skops and scikit-learn). The journeys and the scores of the two are
+often does, a stack head (`hgb_aggregates` fitted on the first night's labelled journeys,
+its trees read and evaluated by Treelite). The journeys and the scores of the two are
 checked equal (scores but for when each row was scored, probabilities to 1e-6: a
 journey's padding depends on its batch-mates).
 

@@ -22,9 +22,11 @@ the one way from a journeys frame to probabilities. On disk it is five plain fil
 - `calibration.json`: the temperature;
 - when another candidate of the run gives the probability (`kind`: the `stack`, or a
   `baseline_<name>`, chosen by `journeys.promotion`), `head.json` (that model's fitted
-  state, versioned) and, for a boosted one, `head.skops` (its scikit-learn booster, read
-  back with skops, which loads only the types named in `BOOSTER_TYPES`). The network is
-  always there: its attention explains the journeys, whatever gives the probability.
+  state, versioned) and, for a boosted one, `head.trees` (its trees, Treelite's
+  checkpoint: numbers, never code; `head.json` holds its SHA-256). The network is always
+  there: its attention explains the journeys, whatever gives the probability. Models saved
+  before Treelite hold `head.skops` (the scikit-learn booster, read back with skops, which
+  loads only the types named in `BOOSTER_TYPES`), still read.
 
 They are logged as the artifacts of an MLflow models-from-code pyfunc
 (`journeys/pyfunc_model.py`), so the model is registrable and servable, while `load_model`
@@ -36,6 +38,7 @@ files by key.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -71,12 +74,14 @@ CALIBRATION = "calibration.json"
 MODEL_FILES = (WEIGHTS, MODEL_CONFIG, VOCAB_FILE, PREPROCESSING, CALIBRATION)
 # The model that gives the probability when it is not the network (`TrainedModel.kind`).
 HEAD_FILE = "head.json"
-HEAD_BOOSTER = "head.skops"
-HEAD_FORMAT_VERSION = 1
+HEAD_BOOSTER = "head.trees"
+# 1: the booster in `head.skops`; 2: its trees in `head.trees`, with their SHA-256.
+HEAD_FORMAT_VERSION = 2
+SKOPS_BOOSTER = "head.skops"
 # Written before the head: a stack's blend and its booster (read back as a `stack` head).
 LEGACY_STACK_FILE, LEGACY_BOOSTER = "stack.json", "booster.skops"
-# The only types a booster file may hold besides skops' defaults (a fitted
-# HistGradientBoostingClassifier); a file with others is refused.
+# The only types a skops booster file (format 1, legacy) may hold besides skops' defaults
+# (a fitted HistGradientBoostingClassifier); a file with others is refused.
 BOOSTER_TYPES = (
     "functools.partial",
     "sklearn.ensemble._hist_gradient_boosting.predictor.TreePredictor",
@@ -307,7 +312,9 @@ class TrainedModel:
         folder.mkdir(parents=True, exist_ok=True)
         # The optional files of a model saved here before go: a head or a reference left
         # behind would be loaded as this model's.
-        for name in (HEAD_FILE, HEAD_BOOSTER, LEGACY_STACK_FILE, LEGACY_BOOSTER, REFERENCE_FILE):
+        for name in (
+            HEAD_FILE, HEAD_BOOSTER, SKOPS_BOOSTER, LEGACY_STACK_FILE, LEGACY_BOOSTER, REFERENCE_FILE
+        ):  # fmt: skip
             (folder / name).unlink(missing_ok=True)
         # save_model (not save_file) copes with tied/shared tensors and makes them contiguous.
         save_model(self.model, str(folder / WEIGHTS), metadata={"format": "pt"})
@@ -323,7 +330,7 @@ class TrainedModel:
         return files | self._save_head(folder)
 
     def _save_head(self, folder: Path) -> dict[str, Path]:
-        """`head.json` (and `head.skops`) when another model gives the probability."""
+        """`head.json` (and `head.trees`) when another model gives the probability."""
         baseline = self.stack.baseline if self.stack is not None else self.baseline
         if baseline is None:
             return {}
@@ -333,13 +340,13 @@ class TrainedModel:
             "baseline": baseline.state(),
             "blend": self.stack.blend_state() if self.stack is not None else None,
         }
-        (folder / HEAD_FILE).write_text(json.dumps(head, indent=2) + "\n")
         files = {HEAD_FILE: folder / HEAD_FILE}
         if baseline.booster is not None:
-            from skops.io import dump
-
-            dump(baseline.booster, folder / HEAD_BOOSTER)
+            trees = baseline.booster.to_bytes()
+            (folder / HEAD_BOOSTER).write_bytes(trees)
+            head["trees_sha256"] = hashlib.sha256(trees).hexdigest()
             files[HEAD_BOOSTER] = folder / HEAD_BOOSTER
+        (folder / HEAD_FILE).write_text(json.dumps(head, indent=2) + "\n")
         return files
 
     @classmethod
@@ -466,24 +473,40 @@ def _check_sized_by(config: ModelConfig, encoder: JourneyEncoder) -> None:
 def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
     """The stack or the baseline a saved model serves (neither: the network's own).
 
-    Skops (and with it scikit-learn) is imported only when there is a booster to read: a
-    transformer's scoring run never pays for it.
+    A booster's trees are read with Treelite (checked against the SHA-256 its head
+    recorded); skops, and with it scikit-learn, only for a model saved before them.
     """
-    from journeys.baselines import BaselineSettings, HgbAggregates, JourneyAggregates, load_baseline
+    from journeys.baselines import (
+        BaselineSettings,
+        HgbAggregates,
+        JourneyAggregates,
+        Trees,
+        load_baseline,
+    )
     from journeys.stacking import Stack
 
-    def booster(name: str) -> Any:
+    def booster(name: str, sha256: str | None = None) -> Trees | None:
         if not (folder / name).exists():
             return None
+        if name == HEAD_BOOSTER:
+            trees = (folder / name).read_bytes()
+            if hashlib.sha256(trees).hexdigest() != sha256:
+                raise ValueError(f"{name} is not the file {HEAD_FILE} was saved with")
+            return Trees.from_bytes(trees)
         from skops.io import load
 
-        return load(folder / name, trusted=list(BOOSTER_TYPES))
+        return Trees.of(load(folder / name, trusted=list(BOOSTER_TYPES)))
 
     if (folder / HEAD_FILE).exists():
         head = json.loads((folder / HEAD_FILE).read_text())
         if int(head["format_version"]) > HEAD_FORMAT_VERSION:
             raise ValueError(f"{HEAD_FILE} is newer than this version of journeys reads")
-        baseline = load_baseline(head["baseline"], booster(HEAD_BOOSTER))
+        trees = (
+            booster(HEAD_BOOSTER, head["trees_sha256"])
+            if "trees_sha256" in head
+            else booster(SKOPS_BOOSTER)
+        )
+        baseline = load_baseline(head["baseline"], trees)
         if head["kind"] != "stack":
             return None, baseline
         blend = head["blend"]
@@ -579,8 +602,8 @@ def _requirements() -> list[str]:
 
     out = []
     for package in (
-        "torch", "safetensors", "polars", "numpy", "pandas", "scikit-learn", "skops", "mlflow",
-        "journeys",
+        "torch", "safetensors", "polars", "numpy", "pandas", "scikit-learn", "skops", "treelite",
+        "mlflow", "journeys",
     ):  # fmt: skip
         try:
             out.append(f"{package}=={version(package)}")

@@ -163,3 +163,36 @@ def test_a_baseline_is_flagged_only_beyond_the_transformers_interval() -> None:
     }
     assert baselines.ahead_of_transformer(transformer, found) == ["hgb_aggregates"]
     assert baselines.ahead_of_transformer({"test_roc_auc": 0.8}, found) == []  # no interval
+
+
+def test_the_trees_give_what_scikit_learn_fitted() -> None:
+    """Treelite evaluates the booster scikit-learn fitted: numeric splits, missing values
+    and categorical splits included, the probabilities are scikit-learn's to 1e-12, and a
+    saved checkpoint reads back to the same trees."""
+    from journeys.baselines import Trees, _booster
+
+    rng = np.random.default_rng(0)
+    n = 4000
+    inputs = rng.normal(size=(n, 6))
+    inputs[:, 4] = rng.integers(0, 30, n)  # categorical: a last touch's level
+    inputs[:, 5] = rng.integers(0, 4, n)
+    inputs[rng.random(n) < 0.15, 1] = np.nan
+    inputs[rng.random(n) < 0.05, 4] = np.nan
+    signal = inputs[:, 0] + np.isnan(inputs[:, 1]) + (inputs[:, 4] % 5 == 0) * 1.5
+    labels = (signal + rng.normal(size=n) > 1).astype(int)
+    categorical = np.array([False, False, False, False, True, True])
+    fitted = _booster(0, categorical).fit(inputs, labels)
+    trees = Trees.of(fitted)
+
+    fresh = rng.normal(size=(1000, 6))
+    # Levels the booster never saw come as NaN, as `JourneyAggregates.transform` gives
+    # them (scikit-learn reads an unseen level as missing, Treelite as "not on the left").
+    fresh[:, 4] = rng.integers(0, 30, 1000)
+    fresh[::11, 4] = np.nan
+    fresh[:, 5] = rng.integers(0, 4, 1000)
+    fresh[::7, 1] = np.nan
+    expected = fitted.predict_proba(fresh)[:, 1]
+    np.testing.assert_allclose(trees.predict_proba(fresh), expected, rtol=0, atol=1e-12)
+    again = Trees.from_bytes(trees.to_bytes())
+    np.testing.assert_array_equal(again.predict_proba(fresh), trees.predict_proba(fresh))
+    assert len(np.unique(expected.round(6))) > 20  # the trees split: not one constant

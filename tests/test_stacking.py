@@ -109,24 +109,66 @@ def test_attention_stays_the_transformers_and_only_the_probability_changes(stack
     )
 
 
-def test_a_saved_stack_round_trips_and_a_foreign_booster_is_refused(
+def test_a_saved_stack_round_trips_and_a_damaged_booster_is_refused(
     stacked, tmp_path: Path
 ) -> None:
+    config, result, tmp = stacked
+    trained = load_model(result.model_uri, f"sqlite:///{tmp / 'mlflow.db'}")
+    trained.stack = stack_of_the_run(config, result, trained)
+    files = trained.save(tmp_path / "model")
+    assert {HEAD_FILE, HEAD_BOOSTER} <= set(files)
+    again = TrainedModel.load(tmp_path / "model")
+    assert again.kind == "stack"
+    test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
+    np.testing.assert_array_equal(again.predict_proba(test), trained.predict_proba(test))
+
+    trees = tmp_path / "model" / HEAD_BOOSTER
+    damaged = bytearray(trees.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # Treelite itself would read this as other trees
+    trees.write_bytes(bytes(damaged))
+    with pytest.raises(InputError, match=r"damaged model files.*head\.trees is not the file"):
+        TrainedModel.load(tmp_path / "model")
+
+
+def test_a_stack_saved_before_treelite_still_serves_and_a_foreign_type_is_refused(
+    stacked, tmp_path: Path
+) -> None:
+    """A head of format 1 (`head.skops`, the scikit-learn booster) loads into the same
+    trees: its probabilities are scikit-learn's. A skops file holding a type it does not
+    trust is refused."""
+    import json
+
     from skops.io import dump
+
+    from journeys.baselines import Trees, _booster, _labels, with_total_events
+    from journeys.trained_model import SKOPS_BOOSTER
 
     config, result, tmp = stacked
     trained = load_model(result.model_uri, f"sqlite:///{tmp / 'mlflow.db'}")
     trained.stack = stack_of_the_run(config, result, trained)
-    trained.save(tmp_path / "model")
-    assert (tmp_path / "model" / HEAD_FILE).exists()
-    again = TrainedModel.load(tmp_path / "model")
-    assert again.kind == "stack"
-    test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
-    np.testing.assert_allclose(again.predict_proba(test), trained.predict_proba(test))
+    aggregates = trained.stack.baseline.aggregates
+    journeys = labelled(scan_journeys(config.paths.journeys), ("train",)).collect()
+    inputs = aggregates.transform(with_total_events(journeys))
+    fitted = _booster(0, aggregates.categorical).fit(inputs, _labels(journeys))
+    trained.stack.baseline.booster = Trees.of(fitted)
+    folder = tmp_path / "model"
+    trained.save(folder)
+    head = json.loads((folder / HEAD_FILE).read_text())
+    head["format_version"] = 1
+    del head["trees_sha256"]
+    (folder / HEAD_FILE).write_text(json.dumps(head))
+    (folder / HEAD_BOOSTER).unlink()
+    dump(fitted, folder / SKOPS_BOOSTER)
 
-    dump(NotABooster(), tmp_path / "model" / HEAD_BOOSTER)
+    old = TrainedModel.load(folder)
+    test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
+    expected = fitted.predict_proba(aggregates.transform(with_total_events(test)))[:, 1]
+    np.testing.assert_allclose(old.stack.baseline.predict_proba(test), expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(old.predict_proba(test), trained.predict_proba(test), atol=1e-12)
+
+    dump(NotABooster(), folder / SKOPS_BOOSTER)
     with pytest.raises(InputError, match="damaged model files"):
-        TrainedModel.load(tmp_path / "model")
+        TrainedModel.load(folder)
 
 
 def test_the_blend_takes_what_each_model_knows() -> None:
