@@ -70,6 +70,7 @@ from journeys.config import redact_uri
 from journeys.datasets import (
     KEPT_BESIDE,
     MISSING_VALUE,
+    count_rows,
     read_metadata,
     scan_scores,
     scores_parts,
@@ -168,9 +169,12 @@ FILES = "files"
 EXPLAINED = "explained"  # also kept: the journeys integrated gradients explained
 
 
-def report_sums(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> ReportSums:
+def report_sums(
+    scores: pl.LazyFrame, by: tuple[str, ...] = (), read_once: bool = False
+) -> ReportSums:
     """The additive tables of the report over `scores`, per value of the `by` columns
-    (`("file",)`: per scores file).
+    (`("file",)`: per scores file). With `read_once`, the columns they need are read into
+    memory first (a batch of files: `scores_sums`), else each table streams them anew.
 
     `outcomes`: journeys per outcome; `varies`:
     whether each list column takes more than one value within some journey; `attention`:
@@ -184,6 +188,8 @@ def report_sums(scores: pl.LazyFrame, by: tuple[str, ...] = ()) -> ReportSums:
     columns = ["event_type", *score_features(schema)]
     keys = list(by)
     journeys = scores.select(*keys, outcome_expr(schema), "attention", *map(_filled, columns))
+    if read_once:
+        journeys = journeys.collect().lazy()
     known = journeys.filter(pl.col("outcome") != UNKNOWN)
     converted = journeys.filter(pl.col("outcome") == CONVERTED)
 
@@ -719,8 +725,9 @@ def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
     order = (
         "conversion_probability" if "conversion_probability" in journeys.collect_schema() else None
     )
+    shown = ["journey_id", "attention", "event_type", *([order] if order else [])]  # plot_examples
     for subset in (journeys.filter(pl.col("outcome") == CONVERTED), journeys):
-        picked = subset.filter(pl.col("attention").list.len() > 0)
+        picked = subset.filter(pl.col("attention").list.len() > 0).select(shown)
         if order:
             picked = picked.sort(order, descending=True, nulls_last=True)
         frame = picked.head(n).collect()
@@ -729,11 +736,14 @@ def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
     return pl.DataFrame()
 
 
-def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> ReportSums:
+def scores_sums(
+    path: Path, since: datetime | None, earlier: ReportSums, batch_journeys: int
+) -> ReportSums:
     """Each scores file's sums over its journeys ending at or after `since`, a `file`
     column naming the file (`file_key`): `earlier`'s (the last report's) for a file that
     has not changed and that the window cuts at the same place (or not at all, then and
-    now), computed afresh for the others in one pass over them."""
+    now), computed afresh for the others, read in batches of files of about
+    `batch_journeys` journeys (at least a file), each batch read once."""
     keys = {file_key(part): part for part in scores_parts(path, since)}
     reusable = set()
     if earlier:
@@ -745,10 +755,10 @@ def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> Repo
     tables = (FILES, *SUM_TABLES)
     pieces = [{name: earlier[name].filter(kept) for name in tables}] if reusable else []
     fresh = [(str(part), key) for key, part in keys.items() if key not in reusable]
-    if fresh:
+    for batch in _batches(fresh, batch_journeys):
         # Files by number while the events are exploded, by key in what is kept.
-        numbers = {path: i for i, (path, _) in enumerate(fresh)}
-        frame = pl.scan_parquet([path for path, _ in fresh], include_file_paths="file")
+        numbers = {path: i for i, (path, _) in enumerate(batch)}
+        frame = pl.scan_parquet([path for path, _ in batch], include_file_paths="file")
         frame = frame.with_columns(pl.col("file").replace_strict(numbers, return_dtype=pl.UInt32))
         ends = frame.group_by("file").agg(
             earliest_end=pl.col("event_time").list.last().min(),
@@ -757,10 +767,24 @@ def scores_sums(path: Path, since: datetime | None, earlier: ReportSums) -> Repo
         )
         if since is not None:
             frame = frame.filter(pl.col("event_time").list.last() >= since)
-        named = pl.col("file").replace_strict(dict(enumerate(key for _, key in fresh)))
-        sums = {FILES: ends.collect(), **report_sums(frame, by=("file",))}
+        named = pl.col("file").replace_strict(dict(enumerate(key for _, key in batch)))
+        sums = {FILES: ends.collect(), **report_sums(frame, by=("file",), read_once=True)}
         pieces.append({name: table.with_columns(named) for name, table in sums.items()})
     return {name: pl.concat([p[name] for p in pieces], how="diagonal_relaxed") for name in tables}
+
+
+def _batches(files: list[tuple[str, str]], most: int) -> list[list[tuple[str, str]]]:
+    """`files` ((path, key), in order) in runs of about `most` journeys, a file at least."""
+    batches: list[list[tuple[str, str]]] = []
+    rows = most  # the first file opens a batch
+    for file in files:
+        n = count_rows([Path(file[0])])
+        if rows + n > most:
+            batches.append([])
+            rows = 0
+        batches[-1].append(file)
+        rows += n
+    return batches
 
 
 def read_sums(folder: Path) -> ReportSums:
@@ -831,7 +855,9 @@ def attribute(
     if isinstance(scores, pl.LazyFrame):
         report = build_report(scores, trained=trained, settings=settings)
     else:
-        sums = scores_sums(Path(scores), None, {})
+        from journeys.config import Score
+
+        sums = scores_sums(Path(scores), None, {}, Score().chunk_journeys)
         report = build_report(scan_scores(scores), trained=trained, settings=settings, sums=sums)
     write_report(report, out)
     return report
@@ -879,7 +905,7 @@ def attribute_command(
         trained = _load_scoring_model(metadata, store)
     # Only the scores files that changed since the last report are read whole.
     earlier = read_sums(out)
-    sums = scores_sums(scores, since, earlier)
+    sums = scores_sums(scores, since, earlier, config.score.chunk_journeys)
     if EXPLAINED in earlier:
         sums[EXPLAINED] = earlier[EXPLAINED]
     report = build_report(frame, trained=trained, settings=settings, sums=sums)
