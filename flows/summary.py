@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from journeys.metrics import format_metric
+from journeys.promotion import baseline_kind
 
 METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
 LOCAL_MLFLOW_UI = "journeys ui  (MLflow UI for {store} on http://127.0.0.1:5000)"
@@ -47,7 +48,7 @@ def metric_rows(train: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
         }
         rows.append(("stack", stack))
     for name, baseline in sorted(train.get("baselines", {}).items()):
-        rows.append((f"baseline_{name}", baseline.get("metrics", {})))
+        rows.append((baseline_kind(name), baseline.get("metrics", {})))
     return [(f"{model} (served)" if model == served else model, m) for model, m in rows]
 
 
@@ -92,7 +93,7 @@ def baselines_ahead(train: dict[str, Any]) -> str | None:
     ahead = train.get("baselines_ahead") or []
     if not ahead:
         return None
-    names = ", ".join(f"baseline_{name}" for name in ahead)
+    names = ", ".join(baseline_kind(name) for name in ahead)
     return (
         f"{names} beat the transformer alone beyond its 95% interval on test (the version "
         f"serves {train.get('model_kind', 'transformer')}, chosen on val)"

@@ -678,6 +678,7 @@ def run_baselines(
     come back as candidates for the champion."""
     from journeys import metrics as M
     from journeys import plots, tracking
+    from journeys.promotion import baseline_kind
 
     uri = tracking.tracking_uri(config)
     labels = _labels(test)
@@ -695,7 +696,7 @@ def run_baselines(
         scores["val_roc_auc"] = M.binary_metrics(
             _labels(val), val_probs, prefix="val_", intervals=False
         )["val_roc_auc"]
-        family = f"baseline_{name}"
+        family = baseline_kind(name)
         family_tags = {tracking.MODEL_FAMILY_TAG: family, **(tags or {})}
         with tracking.mlflow_run(
             uri, config.mlflow.experiment, name=family, tags=family_tags

@@ -273,7 +273,7 @@ class JourneyModule(L.LightningModule):
         self.val_prefix_auroc = BinaryAUROC() if self.every_prefix else None
         # Every validated epoch's val logits, in the val split's order: the best epoch is
         # the checkpoint, so promotion judges it on a half of val that did not choose it
-        # (`journeys.promotion.cross_fitted_logits`). Kept in checkpoints for --resume.
+        # (`journeys.promotion.cross_fitted_transformer`). Kept in checkpoints for --resume.
         self.val_history: list[torch.Tensor] = []
         self._val_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         if base_rate is not None and 0 < base_rate < 1:

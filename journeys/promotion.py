@@ -26,7 +26,7 @@ summary, the run and the model version say which decided, why, and what to do:
 
 What is judged is never what chose: every val figure here is honest. The baselines are
 fitted on train alone. The transformer's checkpoint is the epoch with the best val ROC AUC,
-so the figure judged is cross-fitted (`cross_fitted_logits`): each half of val is scored by
+so the figure judged is cross-fitted (`cross_fitted_transformer`): each half of val is scored by
 the epoch the other half picked, and an epoch-0 fluke on one half does not survive the
 other. Calibration fitted on val (the transformer's temperature, the stack's Platt
 scaling) are chosen and fitted on one half for the other the same way (`cross_fit`). The
@@ -60,12 +60,20 @@ from journeys.metrics import (
 )
 
 CHANCE = 0.5
-# The kinds of candidate with names of their own (the baselines are `baseline_<name>`):
-# what a registered model serves (`TrainedModel.kind`).
+# The kinds of candidate: what a registered model serves (`TrainedModel.kind`), and the
+# `model_family` of the MLflow run that fitted it (a stack has none of its own).
 TRANSFORMER, STACK = "transformer", "stack"
+BASELINE_PREFIX = "baseline_"  # a baseline's kind is `baseline_<name>` (`baseline_kind`)
+
+
+def baseline_kind(name: str) -> str:
+    """The kind of candidate (and run family) of baseline `name`."""
+    return BASELINE_PREFIX + name
+
+
 PREFERRED = (TRANSFORMER, STACK)  # who takes a tie, in this order
 # Who goes first, in this order, when not clearly behind the best (a paired test).
-WITHIN_NOISE = (STACK, "baseline_hgb_aggregates")
+WITHIN_NOISE = (STACK, baseline_kind("hgb_aggregates"))
 VAL_FOLDS = 2  # halves of val: one chooses (an epoch, a calibration), the other judges
 # What each metric is called in messages, and whether higher is better.
 METRIC_LABELS = {"roc_auc": "ROC AUC", "pr_auc": "PR AUC", "log_loss": "log loss"}
@@ -375,10 +383,18 @@ def cross_fit(labels: np.ndarray, folds: np.ndarray, fit_predict: FoldModel) -> 
     return out
 
 
-def cross_fitted_logits(history: np.ndarray, labels: np.ndarray, folds: np.ndarray) -> np.ndarray:
-    """Each val journey's logit from the epoch the *other* folds chose (the best ROC AUC
-    there): `history` is [epochs, journeys], every validated epoch's val logits."""
+def cross_fitted_transformer(
+    history: np.ndarray, labels: np.ndarray, folds: np.ndarray
+) -> np.ndarray:
+    """Each val journey's probability from the epoch the *other* folds chose (the best ROC
+    AUC there) and the temperature they fitted: `history` is [epochs, journeys], every
+    validated epoch's val logits."""
+    from journeys.metrics import fit_temperature, sigmoid
+
     history = np.atleast_2d(np.asarray(history, dtype=np.float64))
-    return cross_fit(
-        labels, folds, lambda fit, held: history[best_epoch(history, labels, fit), held]
-    )
+
+    def fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
+        epoch = history[best_epoch(history, labels, fit)]
+        return sigmoid(epoch[held], fit_temperature(epoch[fit], labels[fit]))
+
+    return cross_fit(labels, folds, fold)

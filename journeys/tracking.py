@@ -26,6 +26,7 @@ from journeys.config import Config, is_redacted, redact_uri
 from journeys.datasets import REPORT_FILE, IngestReport
 from journeys.errors import ConfigError, InputError, JourneysError, first_line, run_status
 from journeys.processes import run_supervised
+from journeys.promotion import BASELINE_PREFIX
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -505,12 +506,12 @@ def training_summary(uri: str, run_id: str, registered_model: str) -> dict[str, 
         ],
         "metrics": dict(run.data.metrics),
         "baselines": {
-            family.removeprefix("baseline_"): {
+            family.removeprefix(BASELINE_PREFIX): {
                 "run_id": baseline.info.run_id,
                 "metrics": dict(baseline.data.metrics),
             }
             for baseline in baselines
-            if (family := baseline.data.tags.get(MODEL_FAMILY_TAG, "")).startswith("baseline_")
+            if (family := baseline.data.tags.get(MODEL_FAMILY_TAG, "")).startswith(BASELINE_PREFIX)
         },
     }
 

@@ -84,7 +84,7 @@ from journeys.lightning_parts import (
     step_schedule,
 )
 from journeys.model import PiecewiseLinearInputs
-from journeys.promotion import STACK, TRANSFORMER, Decision, decide
+from journeys.promotion import STACK, TRANSFORMER, Decision, baseline_kind, decide
 from journeys.trained_model import JourneyRules, TrainedModel, load_model, log_model
 from journeys.vocab import Vocabularies
 
@@ -98,7 +98,6 @@ if TYPE_CHECKING:
     from journeys.stacking import Stack
     from journeys.tracking import Registration, TrackedRun
 
-MODEL_FAMILY = "transformer"
 STATE_FILE = "latest.json"  # in paths.checkpoints: which run/checkpoints --resume continues
 PROMOTION_FILE = "promotion.json"  # the champion decision, logged to the run
 COMPARED_METRICS = ("roc_auc", "pr_auc", "log_loss", "brier", "ece")
@@ -260,8 +259,8 @@ def transformer_run(
 ) -> AbstractContextManager[TrackedRun | None]:
     """The transformer's MLflow run in `experiment` (`tracking.mlflow_run`): a new one, or
     `run_id` reopened (`--resume`)."""
-    tags = {tracking.MODEL_FAMILY_TAG: MODEL_FAMILY}
-    return tracking.mlflow_run(uri, experiment, run_id=run_id, name=MODEL_FAMILY, tags=tags)
+    tags = {tracking.MODEL_FAMILY_TAG: TRANSFORMER}
+    return tracking.mlflow_run(uri, experiment, run_id=run_id, name=TRANSFORMER, tags=tags)
 
 
 def set_up(run: TrackedRun, config: Config, resumed: bool) -> Path:
@@ -613,13 +612,13 @@ def evaluate(fitted: Fitted, workdir: Path) -> Evaluation:
         )
 
     (workdir / "attention_by_event_type.json").write_text(json.dumps(attention, indent=2))
-    curves = {MODEL_FAMILY: probs}
+    curves = {TRANSFORMER: probs}
     files = {
         "roc": plots.plot_roc(test_labels, curves, workdir / "roc.png"),
         "pr": plots.plot_pr(test_labels, curves, workdir / "pr.png"),
         "calibration": plots.plot_calibration(
             test_labels,
-            {**curves, f"{MODEL_FAMILY} (T={temperature:.2f})": calibrated},
+            {**curves, f"{TRANSFORMER} (T={temperature:.2f})": calibrated},
             workdir / "calibration.png",
         ),
         "attention_by_event_type": plots.plot_attention_by_event_type(
@@ -888,12 +887,7 @@ def candidates_beside(
     folds = promotion.val_folds(labels, settings.seed)
     history = np.stack([h.numpy() for h in fitted.val_choices()] or [evaluation.val_logits])
 
-    def transformer_fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
-        # The epoch and the temperature chosen on the other half, applied to this one.
-        epoch = history[promotion.best_epoch(history, labels, fit)]
-        return M.sigmoid(epoch[held], M.fit_temperature(epoch[fit], labels[fit]))
-
-    val_columns = {TRANSFORMER: promotion.cross_fit(labels, folds, transformer_fold)}
+    val_columns = {TRANSFORMER: promotion.cross_fitted_transformer(history, labels, folds)}
     # What each candidate serves on val (fitted on all of it): the served one's monitoring
     # reference, and what the transformer meets the champion with when promotion.guard is
     # off (plumbing and demos); with the guard on, the honest columns above meet it.
@@ -935,7 +929,7 @@ def candidates_beside(
         test_scores[STACK] = M.sigmoid(stack.blend(evaluation.test_logits, booster_test))
         heads[STACK] = stack
     for name, run in baselines.items():
-        kind = f"baseline_{name}"
+        kind = baseline_kind(name)
         val_columns[kind] = served_val[kind] = run.val_scores  # fitted on train: honest
         test_scores[kind] = run.test_scores
         heads[kind] = models[name]
@@ -1030,7 +1024,7 @@ def flag_baselines_ahead(
     run.set_tags({tracking.BASELINES_AHEAD_TAG: ",".join(ahead) or "none"})
     for name in ahead:
         print(
-            f"note: baseline_{name} (test ROC AUC "
+            f"note: {baseline_kind(name)} (test ROC AUC "
             f"{baselines[name].metrics['test_roc_auc']:.4f}) beats the transformer alone beyond "
             f"its 95% interval ({M.format_metric(scores, 'roc_auc')}); the model served was "
             "chosen among all of them on val (above)"

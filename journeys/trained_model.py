@@ -53,7 +53,7 @@ import numpy as np
 
 from journeys.config import Config, Data, Journey, parse_duration
 from journeys.errors import ConfigError, InputError, first_line
-from journeys.promotion import STACK, TRANSFORMER
+from journeys.promotion import STACK, TRANSFORMER, baseline_kind
 from journeys.reference import REFERENCE_FILE, Reference
 from journeys.vocab import VOCAB_FILE
 
@@ -225,7 +225,7 @@ class TrainedModel:
         if self.stack is not None:
             return STACK
         if self.baseline is not None:
-            return f"baseline_{self.baseline.name}"
+            return baseline_kind(self.baseline.name)
         return TRANSFORMER
 
     @property

@@ -20,7 +20,7 @@ from journeys.config import Promotion, load_config
 from journeys.errors import ConfigError, InputError
 from journeys.promotion import (
     cross_fit,
-    cross_fitted_logits,
+    cross_fitted_transformer,
     decide,
     ranking,
     val_folds,
@@ -269,14 +269,19 @@ def test_an_epoch_chosen_on_val_is_judged_on_the_half_that_did_not_choose_it() -
     folds = val_folds(labels, seed=0)
     assert {int((folds == f).sum()) for f in (0, 1)} == {300}  # halves, each class dealt evenly
     assert (labels[folds == 0].sum() - labels[folds == 1].sum()) in (-1, 0, 1)
-    honest = cross_fitted_logits(history, labels, folds)
+    honest = cross_fitted_transformer(history, labels, folds)
     assert M.roc_auc_interval(labels, honest)[0] < 0.5
     decision = decide(labels, {"transformer": honest}, None, SETTINGS)
     assert decision.check == "not_above_chance"
-    # A real signal survives cross-fitting: its later epochs learn, and both halves agree.
+    # A real signal survives cross-fitting: its later epochs learn, both halves choose the
+    # last, and each half's probabilities are its logits through the other's temperature.
     learning = np.stack([labels * k * 0.3 + rng.normal(size=labels.size) for k in range(5)])
-    fitted = cross_fitted_logits(learning, labels, folds)
-    np.testing.assert_array_equal(fitted, learning[-1])
+    fitted = cross_fitted_transformer(learning, labels, folds)
+    for fold in (0, 1):
+        held, fit = folds == fold, folds != fold
+        temperature = M.fit_temperature(learning[-1][fit], labels[fit])
+        np.testing.assert_allclose(fitted[held], M.sigmoid(learning[-1][held], temperature))
+        assert temperature != pytest.approx(1.0, abs=1e-3)  # a temperature was fitted
 
 
 def test_what_is_judged_on_one_half_is_chosen_and_fitted_on_the_other() -> None:
