@@ -159,9 +159,11 @@ def peak_mb() -> float:
 
 
 def child(args: argparse.Namespace) -> None:
-    # Imports before the clock: the parent's, and the plotting library the report and
-    # the monitor share (a process imports it once, whichever step comes first).
+    # Imports before the clock: the parent's, the plotting library the report and the
+    # monitor share (a process imports it once, whichever step comes first), and SciPy's
+    # statistics, the monitor's tests (`journeys monitor` pays for them at its start).
     import matplotlib.pyplot  # noqa: F401
+    import scipy.stats  # noqa: F401
 
     import journeys.encoding  # noqa: F401
 
