@@ -244,6 +244,7 @@ def main() -> None:
         args.overrides = ["train.max_epochs=10", "train.warmup_steps=30", *args.overrides]
 
     from journeys.metrics import binary_metrics
+    from journeys.promotion import baseline_kind
     from journeys.train import train_command
 
     config, truth = prepare(args.users, args.sim_seed, args.config, args.overrides, args.workdir)
@@ -282,7 +283,7 @@ def main() -> None:
         calibrated = {f"test_{m}": result.metrics[f"test_{m}_calibrated"] for m in METRICS}
         rows.setdefault("transformer (calibrated)", []).append(calibrated)
         for name, baseline in result.baselines.items():
-            rows.setdefault(f"baseline_{name}", []).append(baseline.metrics)
+            rows.setdefault(baseline_kind(name), []).append(baseline.metrics)
         logits = model_logits(config, result.run_id, test)
         expected["transformer"].append(expected_roc_auc(logits, test.true_probability))
         gap = expected["oracle (true probability)"][0] - expected["transformer"][-1]

@@ -145,6 +145,7 @@ def run_log(log: Log, variants: dict[str, list[str]], seeds: list[int] | None = 
     from journeys.datasets import labelled, scan_journeys
     from journeys.errors import JourneysError, first_line
     from journeys.ingest import ingest
+    from journeys.promotion import baseline_kind
     from journeys.tracking import tracking_uri, training_summary
     from journeys.train import train_command
     from journeys.trained_model import load_model
@@ -192,7 +193,7 @@ def run_log(log: Log, variants: dict[str, list[str]], seeds: list[int] | None = 
         if "stacked_test_roc_auc" in metrics:
             run_models["stack"] = metrics["stacked_test_roc_auc"]
         run_models |= {
-            f"baseline_{name}": baseline.metrics["test_roc_auc"]
+            baseline_kind(name): baseline.metrics["test_roc_auc"]
             for name, baseline in result.baselines.items()
         }
         best = max(run_models, key=lambda kind: run_models[kind])

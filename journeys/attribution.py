@@ -776,10 +776,10 @@ def scores_sums(
 def _batches(files: list[tuple[str, str]], most: int) -> list[list[tuple[str, str]]]:
     """`files` ((path, key), in order) in runs of about `most` journeys, a file at least."""
     batches: list[list[tuple[str, str]]] = []
-    rows = most  # the first file opens a batch
+    rows = 0
     for file in files:
         n = count_rows([Path(file[0])])
-        if rows + n > most:
+        if not batches or rows + n > most:
             batches.append([])
             rows = 0
         batches[-1].append(file)

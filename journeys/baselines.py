@@ -604,6 +604,11 @@ class Trees:
     def to_bytes(self) -> bytes:
         return bytes(self.model.serialize_bytes())
 
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # A Treelite model is a handle to native memory: pickled (to scoring processes and
+        # Dask workers, with the rest of the model) as its checkpoint bytes.
+        return Trees.from_bytes, (self.to_bytes(),)
+
     @classmethod
     def from_bytes(cls, data: bytes) -> Trees:
         import treelite

@@ -268,7 +268,7 @@ class TrainedModel:
         from journeys.metrics import sigmoid
 
         if frame.height == 0:  # every journey of a chunk kept its earlier score
-            return np.empty(0)  # (scikit-learn refuses to predict on no rows)
+            return np.empty(0)  # (nothing for a booster to predict)
         if self.stack is not None:
             return sigmoid(self.stack.combine(logits, frame))
         if self.baseline is not None:
@@ -335,7 +335,8 @@ class TrainedModel:
         if baseline is None:
             return {}
         head = {
-            "format_version": HEAD_FORMAT_VERSION,
+            # Format 1 readers read a head without trees as well: only trees need 2.
+            "format_version": HEAD_FORMAT_VERSION if baseline.booster is not None else 1,
             "kind": self.kind,
             "baseline": baseline.state(),
             "blend": self.stack.blend_state() if self.stack is not None else None,

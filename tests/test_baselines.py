@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -195,4 +196,7 @@ def test_the_trees_give_what_scikit_learn_fitted() -> None:
     np.testing.assert_allclose(trees.predict_proba(fresh), expected, rtol=0, atol=1e-12)
     again = Trees.from_bytes(trees.to_bytes())
     np.testing.assert_array_equal(again.predict_proba(fresh), trees.predict_proba(fresh))
+    # Pickled with a model to scoring processes and Dask workers: as its checkpoint.
+    shipped = pickle.loads(pickle.dumps(trees))
+    np.testing.assert_array_equal(shipped.predict_proba(fresh), trees.predict_proba(fresh))
     assert len(np.unique(expected.round(6))) > 20  # the trees split: not one constant

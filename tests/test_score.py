@@ -310,6 +310,11 @@ def test_empty_input_gives_an_empty_file_with_the_full_schema(
     optional = ["label", "censored", "split", "n_events_total"]
     assert scores.schema == scores_schema(features, optional)
     assert set(CONTRACT_COLUMNS) <= set(scores.columns)
+    # The report over it (the score flow's next stage) has nothing to credit, and says so.
+    from journeys.attribution import attribute_command
+
+    report = attribute_command(config_for(tmp_path))
+    assert report.summary["journeys"] == 0 and "note" in report.summary
 
 
 # --- one-line errors ------------------------------------------------------------------------

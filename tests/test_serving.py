@@ -375,7 +375,7 @@ def test_served_bad_request_is_http_400_with_one_line(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def baseline_champion(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The tiny transformer serving a fitted `hgb_aggregates` (a booster saved with skops,
+    """The tiny transformer serving a fitted `hgb_aggregates` (its trees saved with Treelite,
     timing aggregates, last-touch levels), registered as the champion of a fresh store."""
 
     from journeys.baselines import BaselineSettings, fit_baseline

@@ -4,6 +4,7 @@ attention."""
 
 from __future__ import annotations
 
+import pickle
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -121,6 +122,9 @@ def test_a_saved_stack_round_trips_and_a_damaged_booster_is_refused(
     assert again.kind == "stack"
     test = labelled(scan_journeys(config.paths.journeys), ("test",)).collect()
     np.testing.assert_array_equal(again.predict_proba(test), trained.predict_proba(test))
+    # As scoring ships it to worker processes and Dask workers: pickled whole.
+    shipped = pickle.loads(pickle.dumps(again))
+    np.testing.assert_array_equal(shipped.predict_proba(test), trained.predict_proba(test))
 
     trees = tmp_path / "model" / HEAD_BOOSTER
     damaged = bytearray(trees.read_bytes())
