@@ -26,9 +26,9 @@ summary, the run and the model version say which decided, why, and what to do:
 
 What is judged is never what chose: every val figure here is honest. The baselines are
 fitted on train alone. The transformer's checkpoint is the epoch with the best val ROC AUC,
-so the figure judged is cross-fitted (`cross_fitted_transformer`): each half of val is scored by
-the epoch the other half picked, and an epoch-0 fluke on one half does not survive the
-other. Calibration fitted on val (the transformer's temperature, the stack's Platt
+so the figure judged is cross-fitted (`cross_fitted_transformer`): each half of val is
+scored by the epoch the other half picked, and an epoch-0 fluke on one half does not
+survive the other. Calibration fitted on val (the transformer's temperature, the stack's Platt
 scaling) are chosen and fitted on one half for the other the same way (`cross_fit`). The
 chosen candidate then meets the champion with that honest figure too: what it serves,
 its checkpoint chosen on all of val, would meet the champion's out-of-sample scores with
@@ -386,15 +386,22 @@ def cross_fit(labels: np.ndarray, folds: np.ndarray, fit_predict: FoldModel) -> 
 def cross_fitted_transformer(
     history: np.ndarray, labels: np.ndarray, folds: np.ndarray
 ) -> np.ndarray:
-    """Each val journey's probability from the epoch the *other* folds chose (the best ROC
-    AUC there) and the temperature they fitted: `history` is [epochs, journeys], every
+    """Each val journey's probability from the epoch the *other* folds chose and the
+    temperature they fitted (`calibrated_choice`): `history` is [epochs, journeys], every
     validated epoch's val logits."""
-    from journeys.metrics import fit_temperature, sigmoid
+    from journeys.metrics import sigmoid
 
     history = np.atleast_2d(np.asarray(history, dtype=np.float64))
+    return cross_fit(
+        labels, folds, lambda fit, held: sigmoid(calibrated_choice(history, labels, fit)[held])
+    )
 
-    def fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
-        epoch = history[best_epoch(history, labels, fit)]
-        return sigmoid(epoch[held], fit_temperature(epoch[fit], labels[fit]))
 
-    return cross_fit(labels, folds, fold)
+def calibrated_choice(history: np.ndarray, labels: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The val logits `rows` choose and calibrate: the epoch of `history` with the best ROC
+    AUC on them, divided by the temperature fitted on them (what the transformer's and the
+    stack's cross-fitted figures start from)."""
+    from journeys.metrics import fit_temperature
+
+    epoch = history[best_epoch(history, labels, rows)]
+    return epoch / fit_temperature(epoch[rows], labels[rows])

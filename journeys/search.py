@@ -5,8 +5,8 @@ its own in MLflow, nested under the training run); the trial whose best epoch ha
 highest `train.monitor` (val ROC AUC by default) is the one kept. A search is more
 checkpoints to choose from, and it is judged like the choice of an epoch: every validated
 epoch of every trial is a choice, so promotion cross-fits over all of them
-(`journeys.train.candidates_beside`, `journeys.promotion.cross_fit`), and a trial that is
-lucky on one half of val does not survive the other.
+(`journeys.promotion.cross_fitted_transformer`), and a trial that is lucky on one half of
+val does not survive the other.
 
 Optuna's TPE sampler, seeded with `train.seed`, draws the first trials at random
 (`STARTUP_TRIALS`) and later ones near the best so far: those later proposals read the

@@ -915,11 +915,10 @@ def candidates_beside(
 
         def stack_fold(fit: np.ndarray, held: np.ndarray) -> np.ndarray:
             # Epoch, temperature and Platt scaling all chosen on the other half.
-            epoch = history[promotion.best_epoch(history, labels, fit)]
-            temperature = M.fit_temperature(epoch[fit], labels[fit])
+            calibrated = promotion.calibrated_choice(history, labels, fit)
 
             def mixed(rows: np.ndarray) -> np.ndarray:
-                return blended(epoch[rows] / temperature, booster_val[rows])
+                return blended(calibrated[rows], booster_val[rows])
 
             slope, intercept = platt(mixed(fit), labels[fit])
             return M.sigmoid(slope * mixed(held) + intercept)
