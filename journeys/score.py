@@ -263,12 +263,12 @@ class ScoreChunk:
     batch_size: int = 1024
     torch_threads: int | None = None
     held: tuple[list, ...] = ()  # each chunk's `segments`: what of which parts it holds
-    reuse: Path | None = None  # earlier rows whose model output may stand (`reusable_rows`)
+    reuse: tuple[Path, ...] = ()  # earlier files whose rows may stand (`ScoreState.others`)
 
     def paths(self) -> list[Path]:
         """The folders and files a worker reads and writes (it must see them here)."""
         parents = sorted({part.parent for part in self.parts})
-        return [self.staging, *parents, *([self.reuse] if self.reuse else [])]
+        return [self.staging, *parents, *self.reuse]
 
     def __call__(self, index: int, chunk: tuple[int, int]) -> ChunkScored:
         from journeys.inference import pick_device
@@ -402,10 +402,9 @@ def score_dataset(
     total = sum(todo_rows)
     chunks = chunk_bounds(total, chunk_journeys)
     held = tuple(segments(chunk, [key for _, key in todo], todo_rows) for chunk in chunks)
-    with scratch_dir(Path(out).parent, "score-reuse") as scratch, atomic_dir(out) as staging:
+    with atomic_dir(out) as staging:
         for path in earlier.files:
             link_or_copy(path, staging / path.name)
-        reuse = reusable_rows(earlier, scratch / "reuse.parquet") if keep_earlier and todo else None
         score = ScoreChunk(
             trained=trained,
             parts=[part for part, _ in todo],
@@ -418,7 +417,7 @@ def score_dataset(
             attention=attention,
             batch_size=batch_size,
             held=held,
-            reuse=reuse,
+            reuse=tuple(earlier.others) if todo else (),
         )
         if map_chunks is None:
             with _progress(total, progress) as advance:
@@ -466,7 +465,7 @@ class ScoreState:
     rows: int = 0  # journeys they hold
     why_not: str | None = None
     # Files of the same model and as_of no later, not kept whole: their finished
-    # journeys' rows may still stand (`reusable_rows`).
+    # journeys' rows may still stand (`reused_rows` reads them).
     others: list[Path] = field(default_factory=list)
 
 
@@ -524,20 +523,9 @@ def score_state(
     return ScoreState(sorted(candidates), frozenset(whole), rows, why, others)
 
 
-def reusable_rows(earlier: ScoreState, into: Path) -> Path | None:
-    """The rows of earlier scores files not kept whole (their part changed: last night's
-    open journeys, a day rewritten for its split) but scored by the same model, as of no
-    later (`ScoreState.others`): a journey among them whose events are still the same need
-    not go through the model again (`reused_rows`)."""
-    if not earlier.others:
-        return None
-    pl.scan_parquet(earlier.others).sink_parquet(into)
-    return into
-
-
 def reused_rows(
     frame: pl.DataFrame,
-    reuse: Path | None,
+    reuse: tuple[Path, ...],
     schema: pl.Schema,
     event_columns: list[str],
     as_of: datetime,
@@ -551,12 +539,12 @@ def reused_rows(
     time. A row open now or then is worked out as of now (`as_of`, `quiet_seconds`,
     `scored_at`); one finished then and now keeps those, which say when it was scored."""
     empty = pl.DataFrame(schema={**schema, SEGMENT: pl.Int32, ROW: pl.UInt32})
-    if reuse is None or frame.height == 0:
+    if not reuse or frame.height == 0:
         return empty, frame
     lists = [c for c in ("event_type", "event_time", *event_columns) if c in schema]
     checked = [*lists, *(["n_events_total"] if "n_events_total" in schema else [])]
     earlier = (
-        pl.scan_parquet(reuse)
+        pl.scan_parquet(list(reuse))
         .filter(pl.col("journey_id").is_in(frame.get_column("journey_id").implode()))
         .collect()
     )
