@@ -167,6 +167,7 @@ SUM_COLUMNS = (
 ReportSums = dict[str, pl.DataFrame]
 FILES = "files"
 EXPLAINED = "explained"  # also kept: the journeys integrated gradients explained
+FILE = "file"  # in what is kept: the scores file (its `file_key`) a sum or a row is of
 
 
 def report_sums(
@@ -261,7 +262,7 @@ def added_up(sums: ReportSums) -> ReportSums:
     """Sums kept per file as one frame's: counts and masses summed, `varies` any."""
     total: ReportSums = {}
     for name in SUM_TABLES:
-        table = sums[name].drop("file", strict=False)
+        table = sums[name].drop(FILE, strict=False)
         keys = [c for c in table.columns if c not in (*SUM_COLUMNS, "journeys", "varies")]
         values = [c for c in table.columns if c not in keys]
         total[name] = table.group_by(keys, maintain_order=True).agg(
@@ -546,6 +547,7 @@ def explain_sample(
     sample: int,
     seed: int,
     earlier: pl.DataFrame | None = None,
+    files: list[Path] | None = None,
 ) -> pl.DataFrame:
     """A random sample of `sample` converting journeys with their `integrated_gradients`
     lists.
@@ -553,13 +555,22 @@ def explain_sample(
     The sample is the journeys whose id hashes lowest (with `seed`): as random as any, and
     from one night to the next it changes only by the journeys that came or left, so the
     lists of `earlier` (the last report's sample) stand for every journey whose events
-    and model are the same, and only the newcomers are explained now."""
+    and model are the same, and only the newcomers are explained now. With `files` (those
+    `converted` reads), each row says which file it came from (`file`, its `file_key`),
+    and a journey still in an unchanged file is the row explained then, not read again."""
     ids = converted.select("journey_id").collect()
     if ids.height > sample:
         ids = ids.bottom_k(sample, by=pl.col("journey_id").hash(seed))
-    frame = converted.filter(pl.col("journey_id").is_in(ids.get_column("journey_id").implode()))
-    frame = frame.collect()
-    if frame.height == 0:
+    located = located_in(files, ids.get_column("journey_id")) if files else None
+    unmoved = pl.DataFrame()
+    if located is not None and earlier is not None and FILE in earlier.columns:
+        unmoved = earlier.join(located, on=["journey_id", FILE], how="semi")
+    if unmoved.height:
+        ids = ids.join(unmoved.select("journey_id"), on="journey_id", how="anti")
+    frame = rows_of(converted, ids.get_column("journey_id"), files, located)
+    if located is not None:
+        frame = frame.join(located, on="journey_id", how="left")
+    if frame.height == 0 and unmoved.height == 0:
         return frame.with_columns(integrated_gradients=pl.lit(None, pl.List(pl.Float32)))
     # The same journey, events and model: every list column the model reads, as scoring's
     # `reused_rows` checks.
@@ -567,7 +578,7 @@ def explain_sample(
     same = ["journey_id", *lists, "n_events_total", "model_uri", "model_version"]
     same = [c for c in dict.fromkeys(same) if c in frame.columns]
     kept = pl.DataFrame()
-    if earlier is not None and set(same) <= set(earlier.columns):
+    if earlier is not None and frame.height and set(same) <= set(earlier.columns):
         kept = frame.join(
             earlier.select(*same, "integrated_gradients"), on=same, how="inner", nulls_equal=True
         )
@@ -578,7 +589,45 @@ def explain_sample(
     )
     if todo.height:
         todo = todo.with_columns(integrated_gradients_frame(trained, todo))
-    return pl.concat([kept, todo], how="diagonal_relaxed").sort("journey_id")
+    return pl.concat([unmoved, kept, todo], how="diagonal_relaxed").sort("journey_id")
+
+
+def located_in(files: list[Path], ids: pl.Series) -> pl.DataFrame:
+    """`journey_id` and `file` (the `file_key` of the scores file holding it) of `ids`
+    among `files`: one column of each file read, so that their rows can then be read from
+    those files alone (`rows_of`)."""
+    keys = {str(path): file_key(path) for path in files}
+    return (
+        pl.scan_parquet(files, include_file_paths=FILE)
+        .select("journey_id", FILE)
+        .filter(pl.col("journey_id").is_in(ids.implode()))
+        .collect()
+        .with_columns(pl.col(FILE).replace_strict(keys))
+    )
+
+
+def rows_of(
+    journeys: pl.LazyFrame,
+    ids: pl.Series,
+    files: list[Path] | None = None,
+    located: pl.DataFrame | None = None,
+) -> pl.DataFrame:
+    """The rows of `journeys` (scores with their `outcome`) of the journeys `ids`. With
+    `files` (those `journeys` reads) only the files that hold them are read (`located`
+    says which, when known): a filter on the whole scan decodes every row of every file
+    to keep a few."""
+    if ids.len() == 0:
+        return journeys.head(0).collect()
+    wanted = pl.col("journey_id").is_in(ids.implode())
+    if not files:
+        return journeys.filter(wanted).collect()
+    located = located_in(files, ids) if located is None else located.filter(wanted)
+    held = set(located.get_column(FILE))
+    paths = [path for path in files if file_key(path) in held]
+    if not paths:
+        return journeys.filter(pl.lit(False)).collect()
+    scores = pl.scan_parquet(paths)
+    return scores.filter(wanted).with_columns(outcome_expr(scores.collect_schema())).collect()
 
 
 def ig_credit(
@@ -625,13 +674,15 @@ def build_report(
     trained: TrainedModel | None = None,
     settings: AttributionSettings | None = None,
     sums: ReportSums | None = None,
+    files: list[Path] | None = None,
 ) -> AttributionReport:
     """Every table, summary fact and figure of the report (nothing written yet).
 
     The tables come from `sums` (default: `report_sums(scores)`, the whole frame in
     memory); `scores` itself is read only for the examples and the journeys that
     integrated gradients explain (those `sums` holds as `EXPLAINED` are not explained
-    again). Credit, the Markov chain and their plots come once per
+    again). With `files`, the Parquet files `scores` reads, those few journeys are read
+    from the files that hold them alone. Credit, the Markov chain and their plots come once per
     dimension of `settings.by` (every feature by default); the `credit` and Markov tables
     hold all of them, told apart by their `dimension` column. A missing value is its own
     touchpoint, `(none)`.
@@ -663,7 +714,9 @@ def build_report(
         from journeys.inference import IG_STEPS
 
         before = sums.get(EXPLAINED) if sums else None
-        explained = explain_sample(trained, converted, settings.ig_sample, settings.seed, before)
+        explained = explain_sample(
+            trained, converted, settings.ig_sample, settings.seed, before, files
+        )
         summary |= {"ig_sample": explained.height, "ig_steps": IG_STEPS}
 
     credits, transitions, removals, figures = [], [], [], {}
@@ -707,7 +760,7 @@ def build_report(
     }
     if not counts.get(CONVERTED):
         summary["note"] = "no converting journeys with a known outcome: no credit to share out"
-    examples = _examples(journeys, settings.example_journeys)
+    examples = _examples(journeys, settings.example_journeys, files)
     figures["attention_by_position.png"] = plot_position(
         tables["attention_by_position"], settings.position_cap
     )
@@ -720,19 +773,22 @@ def build_report(
     return AttributionReport(tables, summary, figures, kept)
 
 
-def _examples(journeys: pl.LazyFrame, n: int) -> pl.DataFrame:
-    """The highest-scoring converting journeys (any journeys when none converted)."""
-    order = (
-        "conversion_probability" if "conversion_probability" in journeys.collect_schema() else None
-    )
+def _examples(journeys: pl.LazyFrame, n: int, files: list[Path] | None = None) -> pl.DataFrame:
+    """The highest-scoring converting journeys (any journeys when none converted): picked
+    on their probabilities, then read (from the files that hold them, with `files`)."""
+    schema = journeys.collect_schema()
+    order = "conversion_probability" if "conversion_probability" in schema else None
     shown = ["journey_id", "attention", "event_type", *([order] if order else [])]  # plot_examples
+    # Scores' `n_events` is the length of their attention lists: picked without decoding them.
+    events = pl.col("n_events") if "n_events" in schema else pl.col("attention").list.len()
     for subset in (journeys.filter(pl.col("outcome") == CONVERTED), journeys):
-        picked = subset.filter(pl.col("attention").list.len() > 0).select(shown)
+        picked = subset.filter(events > 0).select("journey_id", *([order] if order else []))
         if order:
             picked = picked.sort(order, descending=True, nulls_last=True)
-        frame = picked.head(n).collect()
-        if frame.height:
-            return frame
+        ids = picked.head(n).collect().get_column("journey_id")
+        if ids.len():
+            frame = rows_of(journeys, ids, files).select(shown)
+            return frame.sort(order, descending=True, nulls_last=True) if order else frame
     return pl.DataFrame()
 
 
@@ -747,28 +803,28 @@ def scores_sums(
     keys = {file_key(part): part for part in scores_parts(path, since)}
     reusable = set()
     if earlier:
-        for key, end, cut in earlier[FILES].select("file", "earliest_end", "since").iter_rows():
+        for key, end, cut in earlier[FILES].select(FILE, "earliest_end", "since").iter_rows():
             whole = end is None or ((cut is None or cut <= end) and (since is None or since <= end))
             if key in keys and (whole or cut == since):
                 reusable.add(key)
-    kept = pl.col("file").is_in(list(reusable))
+    kept = pl.col(FILE).is_in(list(reusable))
     tables = (FILES, *SUM_TABLES)
     pieces = [{name: earlier[name].filter(kept) for name in tables}] if reusable else []
     fresh = [(str(part), key) for key, part in keys.items() if key not in reusable]
     for batch in _batches(fresh, batch_journeys):
         # Files by number while the events are exploded, by key in what is kept.
         numbers = {path: i for i, (path, _) in enumerate(batch)}
-        frame = pl.scan_parquet([path for path, _ in batch], include_file_paths="file")
-        frame = frame.with_columns(pl.col("file").replace_strict(numbers, return_dtype=pl.UInt32))
-        ends = frame.group_by("file").agg(
+        frame = pl.scan_parquet([path for path, _ in batch], include_file_paths=FILE)
+        frame = frame.with_columns(pl.col(FILE).replace_strict(numbers, return_dtype=pl.UInt32))
+        ends = frame.group_by(FILE).agg(
             earliest_end=pl.col("event_time").list.last().min(),
             since=pl.lit(since, pl.Datetime("us", "UTC")),
             version=pl.lit(SUMS_VERSION),
         )
         if since is not None:
             frame = frame.filter(pl.col("event_time").list.last() >= since)
-        named = pl.col("file").replace_strict(dict(enumerate(key for _, key in batch)))
-        sums = {FILES: ends.collect(), **report_sums(frame, by=("file",), read_once=True)}
+        named = pl.col(FILE).replace_strict(dict(enumerate(key for _, key in batch)))
+        sums = {FILES: ends.collect(), **report_sums(frame, by=(FILE,), read_once=True)}
         pieces.append({name: table.with_columns(named) for name, table in sums.items()})
     return {name: pl.concat([p[name] for p in pieces], how="diagonal_relaxed") for name in tables}
 
@@ -858,7 +914,10 @@ def attribute(
         from journeys.config import Score
 
         sums = scores_sums(Path(scores), None, {}, Score().chunk_journeys)
-        report = build_report(scan_scores(scores), trained=trained, settings=settings, sums=sums)
+        parts = scores_parts(Path(scores))
+        report = build_report(
+            scan_scores(scores), trained=trained, settings=settings, sums=sums, files=parts
+        )
     write_report(report, out)
     return report
 
@@ -908,7 +967,8 @@ def attribute_command(
     sums = scores_sums(scores, since, earlier, config.score.chunk_journeys)
     if EXPLAINED in earlier:
         sums[EXPLAINED] = earlier[EXPLAINED]
-    report = build_report(frame, trained=trained, settings=settings, sums=sums)
+    parts = scores_parts(scores, since)  # those `frame` reads
+    report = build_report(frame, trained=trained, settings=settings, sums=sums, files=parts)
     report.summary[MADE_FROM] = made_from
     if since is not None:  # attribution.window
         report.summary["journeys_since"] = since.isoformat()

@@ -311,6 +311,15 @@ def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_cha
         return explain(trained, frame)  # type: ignore[arg-type]
 
     monkeypatch.setattr(attribution, "integrated_gradients_frame", counting)
+    sampled: list[set[str]] = []  # the sample's journeys whose rows each report read
+    rows_of = attribution.rows_of
+
+    def reading(journeys: pl.LazyFrame, ids: pl.Series, *args: object) -> pl.DataFrame:
+        if len(args) == 2 and args[1] is not None:  # the sample's, with where they lie
+            sampled.append(set(ids))
+        return rows_of(journeys, ids, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attribution, "rows_of", reading)
 
     def equal_to_one_from_nothing(settings: object, out: Path) -> None:
         kept = read_report(tmp_path / "reports")
@@ -340,6 +349,9 @@ def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_cha
     attribute_command(config)
     assert read == [1]  # the changed file (its attention and channels differ: see below)
     assert explained == [moved]  # the others are the same journeys, explained before
+    # ... and only those of the changed file were read again: a journey in a file that did
+    # not change is the row explained then.
+    assert moved in sampled[-1] <= set(pl.read_parquet(changed).get_column("journey_id"))
     equal_to_one_from_nothing(config, tmp_path / "fresh")
 
     # A window that starts inside the data: the files it cuts into are read again with
