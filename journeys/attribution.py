@@ -77,7 +77,7 @@ from journeys.datasets import (
     scores_window_start,
 )
 from journeys.errors import InputError, first_line
-from journeys.plots import plot_credit, plot_examples, plot_position
+from journeys.plots import REPORT_PLOT_DPI, plot_credit, plot_examples, plot_position
 from journeys.storage import atomic_dir, file_key, link_or_copy
 
 if TYPE_CHECKING:
@@ -887,7 +887,7 @@ def write_report(report: AttributionReport, out: str | Path) -> Path:
             table.write_parquet(staging / f"{name}.parquet")
             table.write_csv(staging / f"{name}.csv")
         for name, figure in report.figures.items():
-            figure.savefig(staging / name, dpi=120, bbox_inches="tight")
+            figure.savefig(staging / name, dpi=REPORT_PLOT_DPI, bbox_inches="tight")
         if report.sums:
             (staging / SUMS_DIR).mkdir()
             for name, table in report.sums.items():

@@ -80,6 +80,7 @@ MIN_EXPECTED = 5.0  # categories expected fewer times than this are pooled for c
 COHORT_INTERVAL = 0.99  # the interval of a cohort's expected conversions
 FIRST_NIGHT = timedelta(days=1)  # a first night, with no history, is the day before the end
 PLOTTED_CATEGORIES = 12  # the commonest values of a column in its plot
+MONITOR_PLOT_DPI = 90  # the page's figures, embedded in index.html
 PLOT_SHARE_OF_FLOOR = 0.5  # a column's mix is plotted once it moved this share of its floor
 
 
@@ -995,11 +996,9 @@ def plots(night: Night, reference: Reference, columns: set[str]) -> dict[str, st
     """For each categorical column among `columns`, tonight's shares against the
     reference's (its commonest values); the probability distributions of closed journeys.
     Base64 PNGs (a plot costs about 0.1 s: a quiet night draws one)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import LogFormatter
+
+    from journeys.plots import figure_of
 
     images = {}
     for column, counts in night.profile.categories.items():
@@ -1009,7 +1008,8 @@ def plots(night: Night, reference: Reference, columns: set[str]) -> dict[str, st
         keys = sorted(set(counts) | set(before), key=lambda k: -(counts.get(k, 0) + before.get(k, 0)))[:PLOTTED_CATEGORIES]  # fmt: skip
         if not keys:
             continue
-        figure, axes = plt.subplots(figsize=(7, 3))
+        figure = figure_of(7, 3)
+        axes = figure.subplots()
         x = np.arange(len(keys))
         for offset, (label, source) in enumerate((("tonight", counts), ("reference", before))):
             total = max(sum(source.values()), 1)
@@ -1021,7 +1021,8 @@ def plots(night: Night, reference: Reference, columns: set[str]) -> dict[str, st
         images[f"{column} mix"] = _png(figure)
     now, before = night.profile.probability, reference.profile.probability
     if now.n and before.n:
-        figure, axes = plt.subplots(figsize=(7, 3))
+        figure = figure_of(7, 3)
+        axes = figure.subplots()
         axes.plot(QUANTILES, now.quantiles, label=f"tonight's closed journeys ({now.n:,})")
         axes.plot(QUANTILES, before.quantiles, label=f"reference ({before.n:,})")
         axes.set_xlabel("quantile")
@@ -1036,11 +1037,8 @@ def plots(night: Night, reference: Reference, columns: set[str]) -> dict[str, st
 
 
 def _png(figure: Any) -> str:
-    import matplotlib.pyplot as plt
-
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
-    plt.close(figure)
+    figure.savefig(buffer, format="png", dpi=MONITOR_PLOT_DPI, bbox_inches="tight")
     return base64.b64encode(buffer.getvalue()).decode()
 
 

@@ -1,6 +1,7 @@
-"""Every PNG the product draws: the evaluation plots logged with each training run (ROC,
-precision-recall, calibration, attention by event type) and the attribution report's
-(credit by method, attention by position, attention heatmaps of example journeys).
+"""The PNGs of training runs and reports: the evaluation plots logged with each training
+run (ROC, precision-recall, calibration, attention by event type) and the attribution
+report's (credit by method, attention by position, attention heatmaps of example
+journeys). The monitor's page draws its own figures (`journeys.monitor`).
 
 Figures are built without pyplot: no global state and no GUI backend, so plotting is safe
 in threads, flows and on servers without a display.
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-METRIC_PLOT_DPI = 110
+METRIC_PLOT_DPI = 110  # the evaluation plots logged with each training run
+REPORT_PLOT_DPI = 120  # the attribution report's figures
 
 
 def figure_of(width: float, height: float) -> Figure:
