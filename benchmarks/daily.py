@@ -298,6 +298,8 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--model")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats: at least 1")
     if args.child:
         child(args)
         return

@@ -786,9 +786,10 @@ def _examples(journeys: pl.LazyFrame, n: int, files: list[Path] | None = None) -
         if order:
             picked = picked.sort(order, descending=True, nulls_last=True)
         ids = picked.head(n).collect().get_column("journey_id")
-        if ids.len():
-            frame = rows_of(journeys, ids, files).select(shown)
-            return frame.sort(order, descending=True, nulls_last=True) if order else frame
+        if ids.len():  # shown in the order they were picked
+            rank = ids.to_frame().with_row_index("rank")
+            frame = rows_of(journeys, ids, files).join(rank, on="journey_id")
+            return frame.sort("rank").select(shown)
     return pl.DataFrame()
 
 

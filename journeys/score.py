@@ -246,10 +246,12 @@ class ChunkScored:
 @dataclass(frozen=True, kw_only=True)
 class ScoreChunk:
     """Scores one chunk of the input, `(first row, rows)` of its part files read back to
-    back, into `staging` as `part-<index>.parquet`: the unit `score_dataset` maps over the
-    workers. A plain picklable object, like ingest's `BuildPartition`, so a task runner
-    can ship it to worker threads, processes or a Dask cluster (whose workers must see the
-    input and `staging`). `torch_threads`, when set, is the worker's PyTorch thread count."""
+    back, into `staging`, a file per input part it holds (`segment_file`): the unit
+    `score_dataset` maps over the workers. A plain picklable object, like ingest's
+    `BuildPartition`, so a task runner can ship it to worker threads, processes or a Dask
+    cluster (whose workers must see `paths()`: the input, `staging` and the earlier scores
+    files it may keep rows of). `torch_threads`, when set, is the worker's PyTorch thread
+    count."""
 
     trained: TrainedModel
     parts: list[Path]

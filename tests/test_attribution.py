@@ -314,10 +314,15 @@ def test_a_report_from_kept_sums_equals_one_from_nothing_and_reads_only_what_cha
     sampled: list[set[str]] = []  # the sample's journeys whose rows each report read
     rows_of = attribution.rows_of
 
-    def reading(journeys: pl.LazyFrame, ids: pl.Series, *args: object) -> pl.DataFrame:
-        if len(args) == 2 and args[1] is not None:  # the sample's, with where they lie
+    def reading(
+        journeys: pl.LazyFrame,
+        ids: pl.Series,
+        files: list[Path] | None = None,
+        located: pl.DataFrame | None = None,
+    ) -> pl.DataFrame:
+        if located is not None:  # the sample's (the examples' are found afresh)
             sampled.append(set(ids))
-        return rows_of(journeys, ids, *args)  # type: ignore[arg-type]
+        return rows_of(journeys, ids, files, located)
 
     monkeypatch.setattr(attribution, "rows_of", reading)
 
