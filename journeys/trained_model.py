@@ -508,7 +508,7 @@ def _read_head(folder: Path) -> tuple[Stack | None, Baseline | None]:
             else booster(SKOPS_BOOSTER)
         )
         baseline = load_baseline(head["baseline"], trees)
-        if head["kind"] != "stack":
+        if head["kind"] != STACK:
             return None, baseline
         blend = head["blend"]
         weights = tuple(float(w) for w in blend["weights"])
